@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from typing_extensions import deprecated
 
-from torchtitan_spmd.config._errors import stacklevel_outside_library
+from torchtitan_spmd._errors import stacklevel_outside_library
 
 #: The release in which the legacy spellings will be removed.
 REMOVAL_RELEASE = "0.3.0"

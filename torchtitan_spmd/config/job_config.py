@@ -15,14 +15,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
-# compat hook: legacy `full_dtensor` spellings (see compat/legacy.py).
-from torchtitan_spmd.compat.legacy import (
-    LegacyParallelismMixin,
-    accept_legacy_parallelism_kwargs,
-    translate_legacy_section,
-)
+# Lines marked "compat hook" call into compat/ for the legacy `full_dtensor`
+# spellings; deleting compat/ and those lines removes legacy support.
+from torchtitan_spmd.compat.legacy import LegacyParallelismMixin  # compat hook
+from torchtitan_spmd.compat.legacy import accept_legacy_parallelism_kwargs  # compat hook
+from torchtitan_spmd.compat.legacy import translate_legacy_section  # compat hook
 
-from ._errors import stacklevel_outside_library, suggest
+from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 
 SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
 
@@ -230,9 +229,12 @@ class TrainingConfig(_Section):
             raise ValueError(f"training.max_norm must be >= 0, got {self.max_norm}.")
 
 
-@accept_legacy_parallelism_kwargs  # compat hook: ParallelismConfig(full_dtensor=...)
+@accept_legacy_parallelism_kwargs  # compat hook
 @dataclass
-class ParallelismConfig(LegacyParallelismMixin, _Section):  # compat hook: legacy attribute
+class ParallelismConfig(
+    LegacyParallelismMixin,  # compat hook
+    _Section,
+):
     """``[parallelism]``: parallel degrees and the SPMD backend."""
 
     section_name: typing.ClassVar[str] = "parallelism"

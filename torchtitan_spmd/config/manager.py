@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-# compat hook: legacy `--parallelism.full_dtensor` flags and TOML keys.
-from torchtitan_spmd.compat.legacy import translate_legacy_cli_args, translate_legacy_toml
+from torchtitan_spmd.compat.legacy import translate_legacy_cli_args  # compat hook
+from torchtitan_spmd.compat.legacy import translate_legacy_toml  # compat hook
 
-from ._errors import suggest
+from torchtitan_spmd._errors import suggest
 from .job_config import JobConfig
 
 _TRUE = {"true", "1", "yes", "on"}

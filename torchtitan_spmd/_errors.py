@@ -17,7 +17,7 @@ def suggest(value: Any, choices: Iterable[Any]) -> str:
     return f" Did you mean {matches[0]!r}?" if matches else ""
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PACKAGE_DIRS = (_PACKAGE_DIR, os.path.realpath(_PACKAGE_DIR) + os.sep)
 
 

@@ -1,0 +1,128 @@
+"""nox sessions for torchtitan_spmd.
+
+    nox -s cpu_tests     # the test matrix on CPU (gloo): common + one run per backend
+    nox -s gpu_tests     # the same on CUDA; skips (exit 0) when no GPU is visible
+    nox -s lint          # ruff
+    nox -s stack         # per-layer checks of the stacked series (stack/)
+    nox -s train         # README command 1: a 4-rank CPU training run
+
+The CPU sessions share one virtualenv (``.nox/_shared-cpu``) so torch is
+installed once. They pin ``torch==2.14.1`` (a local wheel on the project's
+machines); set ``TORCHTITAN_SPMD_TORCH`` to another requirement (for example
+``torch==2.13.0`` or ``torch``) to override the pin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+BACKENDS = ("default", "full_dtensor", "spmd_types")
+TORCH_SPEC = os.environ.get("TORCHTITAN_SPMD_TORCH", "torch==2.14.1")
+SHARED_VENV = ROOT / ".nox" / "_shared-cpu"
+
+nox.options.sessions = ["lint", "cpu_tests", "stack"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _install_stamp(extra: str) -> str:
+    text = (ROOT / "pyproject.toml").read_bytes() + TORCH_SPEC.encode() + extra.encode()
+    return hashlib.sha256(text).hexdigest()
+
+
+def _shared_cpu_python(session: nox.Session) -> str:
+    """Create (once) and return the shared CPU venv's interpreter."""
+    python = _venv_python(SHARED_VENV)
+    stamp = SHARED_VENV / ".torchtitan_spmd-stamp"
+    want = _install_stamp("cpu")
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(SHARED_VENV), external=True)
+    if not stamp.exists() or stamp.read_text() != want:
+        session.run(
+            str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+            TORCH_SPEC, "-e", f"{ROOT}[dev]", "numpy",
+            external=True,
+        )
+        stamp.write_text(want)
+    return str(python)
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("backend", ["common", *BACKENDS])
+def cpu_tests(session: nox.Session, backend: str) -> None:
+    """Run the tests for one backend ('common' = backend-agnostic tests) on CPU."""
+    python = _shared_cpu_python(session)
+    session.run(
+        python, "-m", "pytest", "tests", f"--backend={backend}", *session.posargs,
+        external=True, success_codes=[0, 5],
+    )
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("backend", ["common", *BACKENDS])
+def gpu_tests(session: nox.Session, backend: str) -> None:
+    """Run the tests on CUDA, reusing the system's preinstalled torch.
+
+    Skips with exit 0 when no CUDA device is visible.
+    """
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        reason = "torch is not importable" if probe.returncode not in (0, 3) else "no CUDA device"
+        session.skip(f"gpu_tests skipped: {reason} for {sys.executable}.")
+    venv = ROOT / ".nox" / "_shared-gpu"
+    python = _venv_python(venv)
+    if not python.exists():
+        session.run(
+            sys.executable, "-m", "venv", "--system-site-packages", str(venv), external=True
+        )
+        # Reuse the preinstalled torch (right CUDA build); do not let pip replace it.
+        session.run(str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT),
+                    external=True)
+    session.run(
+        str(python), "-m", "pytest", "tests", f"--backend={backend}", "--device=cuda",
+        *session.posargs, external=True, success_codes=[0, 5],
+        env={"TORCHTITAN_SPMD_DEVICE": "cuda"},
+    )
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff check over the package, compat/, tests/, stack/ and bench/."""
+    python = _shared_cpu_python(session)
+    session.run(python, "-m", "ruff", "check", "torchtitan_spmd", "compat", "tests", "stack",
+                "bench", "noxfile.py", external=True)
+
+
+@nox.session(venv_backend="none")
+def stack(session: nox.Session) -> None:
+    """Check the stacked series: layer ownership, upward imports, each prefix green."""
+    python = _shared_cpu_python(session)
+    session.run(python, "-m", "stack", "check", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def train(session: nox.Session) -> None:
+    """README command 1: a multi-process CPU training run on the debug model."""
+    python = _shared_cpu_python(session)
+    args = session.posargs or [
+        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--training.steps", "50",
+    ]
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    session.run(*torchrun, "-m", "torchtitan_spmd.train", *args, external=True,
+                env={"OMP_NUM_THREADS": "1"})
