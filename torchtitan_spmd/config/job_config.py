@@ -15,13 +15,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from torchtitan_spmd._errors import stacklevel_outside_library, suggest
+
 # Lines marked "compat hook" call into compat/ for the legacy `full_dtensor`
 # spellings; deleting compat/ and those lines removes legacy support.
-from torchtitan_spmd.compat.legacy import LegacyParallelismMixin  # compat hook
-from torchtitan_spmd.compat.legacy import accept_legacy_parallelism_kwargs  # compat hook
-from torchtitan_spmd.compat.legacy import translate_legacy_section  # compat hook
-
-from torchtitan_spmd._errors import stacklevel_outside_library, suggest
+from torchtitan_spmd.compat.legacy import (
+    LegacyParallelismMixin,  # compat hook
+    accept_legacy_parallelism_kwargs,  # compat hook
+    translate_legacy_section,  # compat hook
+)
 
 SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
 
@@ -217,8 +219,8 @@ class TrainingConfig(_Section):
     max_norm: float = 1.0
     """Gradient-norm clipping threshold over the global norm (0 disables clipping)."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: ``"auto"`` picks CUDA (nccl) when available, else CPU (gloo)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -29,10 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from torchtitan_spmd.compat.legacy import translate_legacy_cli_args  # compat hook
-from torchtitan_spmd.compat.legacy import translate_legacy_toml  # compat hook
-
 from torchtitan_spmd._errors import suggest
+from torchtitan_spmd.compat.legacy import (
+    translate_legacy_cli_args,  # compat hook
+    translate_legacy_toml,  # compat hook
+)
+
 from .job_config import JobConfig
 
 _TRUE = {"true", "1", "yes", "on"}

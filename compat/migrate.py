@@ -1,0 +1,732 @@
+"""Rewrite a fork's files from ``parallelism.full_dtensor`` to ``parallelism.spmd_backend``.
+
+Run it as::
+
+    python -m torchtitan_spmd.compat.migrate [--check] [--diff] PATH...
+
+``PATH`` may be files or directories; directories are searched recursively
+(version-control, nox/tox, virtualenv and cache folders are skipped). The
+rewrite is mechanical and idempotent: a second run changes nothing.
+
+- **Python** (``.py``, ``.pyi``; needs ``libcst``, ``pip install torchtitan-spmd[migrate]``),
+  formatting and comments preserved:
+
+  - ``f(full_dtensor=True)`` / ``False`` / ``flag`` becomes
+    ``f(spmd_backend="full_dtensor")`` / ``"default"`` /
+    ``"full_dtensor" if flag else "default"``; ``f(full_dtensor=cfg.full_dtensor)``
+    becomes ``f(spmd_backend=cfg.spmd_backend)``;
+  - a read of ``x.full_dtensor`` becomes ``x.spmd_backend == "full_dtensor"``
+    (parenthesised where precedence needs it) and ``not x.full_dtensor`` becomes
+    ``x.spmd_backend != "full_dtensor"``, a site reported for human review;
+  - ``x.full_dtensor = value`` becomes ``x.spmd_backend = <backend>``;
+  - CLI flags inside string literals are rewritten as in shell files.
+
+  Imports and module attributes such as ``torchtitan_spmd.distributed.full_dtensor``
+  are left alone: ``full_dtensor`` is also the name of a module.
+- **TOML** (``.toml``): ``full_dtensor = true`` under ``[parallelism]`` becomes
+  ``spmd_backend = "full_dtensor"`` (``false``: ``"default"``); the rest of the
+  file is kept byte for byte.
+- **Shell and YAML** (``.sh``, ``.bash``, ``.yaml``, ``.yml``): ``--parallelism.full_dtensor``
+  and its variants become ``--parallelism.spmd_backend full_dtensor`` (or ``default``).
+  One shell word stays one word: ``--parallelism.full_dtensor=false`` and a flag
+  that is a whole quoted word or a YAML list item use ``--parallelism.spmd_backend=...``.
+
+Exit status: 0 on success; 1 with ``--check`` when a file would change; 2 when a
+path does not exist, ``libcst`` is missing, or a file could not be read or parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .legacy import backend_for
+
+__all__ = [
+    "FileMigration",
+    "MigrationError",
+    "MigrationResult",
+    "ReviewSite",
+    "iter_files",
+    "main",
+    "migrate_cli_text",
+    "migrate_file",
+    "migrate_path",
+    "migrate_python",
+    "migrate_toml",
+]
+
+PYTHON_SUFFIXES = frozenset({".py", ".pyi"})
+TOML_SUFFIXES = frozenset({".toml"})
+CLI_SUFFIXES = frozenset({".sh", ".bash", ".yaml", ".yml"})
+SUFFIXES = PYTHON_SUFFIXES | TOML_SUFFIXES | CLI_SUFFIXES
+
+#: Directory names never searched when a directory is given.
+SKIP_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        ".nox",
+        ".tox",
+        ".venv",
+        "venv",
+        "__pycache__",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        "node_modules",
+    }
+)
+
+_INSTALL_HINT = "pip install torchtitan-spmd[migrate]"
+
+NOT_REVIEW = (
+    'not X.full_dtensor became X.spmd_backend != "full_dtensor", which is now also true '
+    'when spmd_backend is "spmd_types"; a human should confirm that is intended.'
+)
+PASSTHROUGH_REVIEW = (
+    "full_dtensor=X.full_dtensor became spmd_backend=X.spmd_backend, which now also "
+    'forwards "spmd_types" (the old code passed False, meaning "default"); confirm.'
+)
+
+
+@dataclass(frozen=True)
+class ReviewSite:
+    """A place a human should look at: 1-based ``line`` and what to check."""
+
+    line: int
+    message: str
+
+
+@dataclass
+class MigrationResult:
+    """The rewritten ``text`` and the sites that need a human's review."""
+
+    text: str
+    review_sites: list[ReviewSite] = field(default_factory=list)
+
+
+@dataclass
+class FileMigration:
+    """The outcome for one file: its original text and the :class:`MigrationResult`."""
+
+    path: Path
+    original: str
+    result: MigrationResult
+
+    @property
+    def changed(self) -> bool:
+        """Whether the rewrite changes the file."""
+        return self.result.text != self.original
+
+    def diff(self) -> str:
+        """A unified diff from the original to the rewritten text."""
+        name = str(self.path)
+        return "".join(
+            difflib.unified_diff(
+                self.original.splitlines(keepends=True),
+                self.result.text.splitlines(keepends=True),
+                fromfile=f"a/{name}",
+                tofile=f"b/{name}",
+            )
+        )
+
+    def write(self) -> None:
+        """Write the rewritten text back, keeping the file's line endings."""
+        with open(self.path, "w", encoding="utf-8", newline="") as f:
+            f.write(self.result.text)
+
+
+class MigrationError(ValueError):
+    """A file could not be migrated (for example, it does not parse)."""
+
+
+# --------------------------------------------------------------------------------------
+# CLI flags (shell, YAML and Python string literals).
+# --------------------------------------------------------------------------------------
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True}
+_BOOL_WORDS |= {"false": False, "0": False, "no": False, "off": False}
+
+_CLI_FLAG = re.compile(
+    r"(?<![\w.-])--parallelism\.(?P<neg>no[-_])?full[-_]dtensor(?![\w-])"
+    r"(?:=(?P<inline>[^\s\"'`;&|)\]},]*)"
+    r"|(?P<sep>[ \t]+)(?P<value>(?i:true|false|yes|no|on|off|1|0))(?![\w.-]))?"
+)
+# A bare flag whose value follows as a shell variable or template placeholder.
+_PLACEHOLDER_AFTER = re.compile(r"[ \t]+[\"']?[$\{]")
+_YAML_ITEM_BEFORE = re.compile(r"(?:^|\n)[ \t]*-[ \t]+\Z")
+_YAML_ITEM_AFTER = re.compile(r"[ \t]*(?:#[^\n]*)?(?:\r?\n|\Z)")
+_CLI_REVIEW = (
+    "legacy flag {flag} left unchanged: its value is not a literal boolean; "
+    "rewrite it as --parallelism.spmd_backend {{default,full_dtensor,spmd_types}} by hand."
+)
+_CLI_NEGATIVE_REVIEW = (
+    "legacy flag {flag} left unchanged: a negative flag takes no value; "
+    "rewrite it as --parallelism.spmd_backend default by hand."
+)
+
+
+def _rewrite_cli(text: str, *, placeholder_at_end: bool = False) -> tuple[str, list[tuple[int, str]]]:
+    """Rewrite legacy flags in ``text``; return it and (offset, message) review notes."""
+    notes: list[tuple[int, str]] = []
+
+    def replace(m: re.Match[str]) -> str:
+        negative = m.group("neg") is not None
+        inline, value = m.group("inline"), m.group("value")
+        given = inline if inline is not None else value
+        if given is not None:
+            if negative:
+                notes.append((m.start(), _CLI_NEGATIVE_REVIEW.format(flag=m.group(0))))
+                return m.group(0)
+            if given.lower() not in _BOOL_WORDS:
+                notes.append((m.start(), _CLI_REVIEW.format(flag=m.group(0))))
+                return m.group(0)
+            backend = backend_for(_BOOL_WORDS[given.lower()])
+            if inline is not None:
+                return f"--parallelism.spmd_backend={backend}"
+            return f"--parallelism.spmd_backend{m.group('sep')}{backend}"
+        backend = backend_for(not negative)
+        rest = text[m.end() :]
+        if _PLACEHOLDER_AFTER.match(rest) or (placeholder_at_end and not rest.strip()):
+            notes.append((m.start(), _CLI_REVIEW.format(flag=m.group(0))))
+            return m.group(0)
+        before = text[m.start() - 1] if m.start() else ""
+        quoted_word = before in {'"', "'"} and rest.startswith(before)
+        yaml_item = _YAML_ITEM_BEFORE.search(text, 0, m.start()) is not None and bool(
+            _YAML_ITEM_AFTER.match(rest)
+        )
+        if quoted_word or yaml_item:  # the flag is one whole argument: keep it one word
+            return f"--parallelism.spmd_backend={backend}"
+        return f"--parallelism.spmd_backend {backend}"
+
+    return _CLI_FLAG.sub(replace, text), notes
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def migrate_cli_text(text: str) -> MigrationResult:
+    """Rewrite ``--parallelism.full_dtensor`` flags in shell, YAML or any plain text.
+
+    ``--parallelism.full_dtensor`` (or ``full-dtensor``) becomes
+    ``--parallelism.spmd_backend full_dtensor``; a following ``true``/``false``
+    picks the backend; ``--parallelism.no-full_dtensor`` (or ``no_full_dtensor``)
+    becomes ``--parallelism.spmd_backend default``. Forms that are one argument
+    (``--parallelism.full_dtensor=false``, a whole quoted word, a YAML list item)
+    become ``--parallelism.spmd_backend=<backend>``. Flags whose value is not a
+    literal (``--parallelism.full_dtensor=$X``) are left as they are and reported.
+    """
+    new, notes = _rewrite_cli(text)
+    return MigrationResult(new, [ReviewSite(_line_of(text, o), msg) for o, msg in notes])
+
+
+# --------------------------------------------------------------------------------------
+# TOML.
+# --------------------------------------------------------------------------------------
+_TOML_HEADER = re.compile(r"^[ \t]*\[\[?(?P<name>[^\[\]#]*)\]\]?[ \t]*(?:#.*)?$")
+_TOML_KEY = r"(?:full[_-]dtensor|\"full[_-]dtensor\"|'full[_-]dtensor')"
+_TOML_LEGACY = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<prefix>(?:parallelism[ \t]*\.[ \t]*)?)" + _TOML_KEY
+    + r"(?P<eq>[ \t]*=[ \t]*)(?P<value>[^#]*?)(?P<rest>[ \t]*(?:#.*)?)$"
+)
+_TOML_BACKEND = re.compile(
+    r"^[ \t]*(?P<prefix>(?:parallelism[ \t]*\.[ \t]*)?)[\"']?spmd[_-]backend[\"']?[ \t]*="
+)
+
+
+def _toml_table(name: str) -> str:
+    return ".".join(part.strip().strip("\"'") for part in name.split("."))
+
+
+def _toml_scan(lines: list[str]) -> Iterator[tuple[int, str, str | None]]:
+    """Yield (index, line without newline, table) for each line; the root table is ''."""
+    table = ""
+    for index, line in enumerate(lines):
+        body = line.rstrip("\r\n")
+        header = _TOML_HEADER.match(body)
+        if header:
+            table = _toml_table(header.group("name"))
+            yield index, body, None
+        else:
+            yield index, body, table
+
+
+def _legacy_toml_match(body: str, table: str | None) -> re.Match[str] | None:
+    m = _TOML_LEGACY.match(body)
+    if m is None:
+        return None
+    dotted = bool(m.group("prefix"))
+    return m if (table == "" and dotted) or (table == "parallelism" and not dotted) else None
+
+
+def migrate_toml(text: str) -> MigrationResult:
+    """Rewrite ``full_dtensor = true|false`` under ``[parallelism]`` as ``spmd_backend``.
+
+    Also handles the hyphenated key and the root-level dotted key
+    ``parallelism.full_dtensor``. Keys of the same name in other tables are not
+    touched. Every other byte of the file, comments included, is kept.
+    """
+    lines = text.splitlines(keepends=True)
+    has_backend = False
+    for _, body, table in _toml_scan(lines):
+        m = _TOML_BACKEND.match(body)
+        if m and ((table == "" and m.group("prefix")) or (table == "parallelism" and not m.group("prefix"))):
+            has_backend = True
+    review: list[ReviewSite] = []
+    for index, body, table in _toml_scan(lines):
+        m = _legacy_toml_match(body, table)
+        if m is None:
+            continue
+        value = m.group("value").strip()
+        if value not in ("true", "false"):
+            review.append(ReviewSite(index + 1, f"left unchanged, not a boolean: {body.strip()}"))
+            continue
+        if has_backend:
+            review.append(
+                ReviewSite(
+                    index + 1,
+                    f"left unchanged, [parallelism] already sets spmd_backend: {body.strip()}; "
+                    "delete the legacy key by hand.",
+                )
+            )
+            continue
+        newline = lines[index][len(body) :]
+        prefix = "parallelism." if m.group("prefix") else ""
+        backend = backend_for(value == "true")
+        lines[index] = (
+            f'{m.group("indent")}{prefix}spmd_backend{m.group("eq")}"{backend}"{m.group("rest")}{newline}'
+        )
+    return MigrationResult("".join(lines), review)
+
+
+# --------------------------------------------------------------------------------------
+# Python.
+# --------------------------------------------------------------------------------------
+def _import_libcst() -> Any:
+    try:
+        import libcst
+        import libcst.metadata  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "Rewriting Python files needs libcst, which is not installed; install the "
+            f"'migrate' extra: {_INSTALL_HINT}"
+        ) from exc
+    return libcst
+
+
+@functools.cache
+def _transformer_class() -> type:
+    """Build the libcst transformer (libcst is imported only when Python is rewritten)."""
+    cst = _import_libcst()
+    from libcst.metadata import ParentNodeProvider, PositionProvider
+
+    full_dtensor = cst.SimpleString('"full_dtensor"')
+    default = cst.SimpleString('"default"')
+
+    def is_name_chain(node: Any) -> bool:
+        while isinstance(node, cst.Attribute):
+            node = node.value
+        return isinstance(node, cst.Name)
+
+    def is_module_path(node: Any) -> bool:
+        """``distributed`` or ``<names>.distributed``: a package, not a config object."""
+        if isinstance(node, cst.Name):
+            return node.value == "distributed"
+        return isinstance(node, cst.Attribute) and node.attr.value == "distributed" and is_name_chain(node.value)
+
+    def is_legacy_attribute(node: Any) -> bool:
+        return (
+            isinstance(node, cst.Attribute)
+            and node.attr.value == "full_dtensor"
+            and not is_module_path(node.value)
+        )
+
+    def bool_literal(node: Any) -> bool | None:
+        if isinstance(node, cst.Name) and node.value in ("True", "False"):
+            return node.value == "True"
+        return None
+
+    def renamed(attr: Any) -> Any:
+        return attr.with_changes(attr=cst.Name("spmd_backend"))
+
+    def parenthesized(node: Any) -> Any:
+        return node.with_changes(
+            lpar=[cst.LeftParen(), *node.lpar], rpar=[*node.rpar, cst.RightParen()]
+        )
+
+    class Migrator(cst.CSTTransformer):
+        METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.review_sites: list[ReviewSite] = []
+            self._targets: set[int] = set()
+            # id of each comparison made from a read -> the renamed attribute.
+            self._reads: dict[int, tuple[Any, Any]] = {}
+
+        # -- helpers ----------------------------------------------------------------
+        def _line(self, node: Any) -> int:
+            return self.get_metadata(PositionProvider, node).start.line
+
+        def _review(self, node: Any, message: str) -> None:
+            self.review_sites.append(ReviewSite(self._line(node), message))
+
+        def _mark_targets(self, node: Any, *, whole: bool) -> None:
+            if is_legacy_attribute(node):
+                self._targets.add(id(node))
+                if not whole:
+                    self._review(node, "assignment to full_dtensor left unchanged; migrate by hand.")
+            elif isinstance(node, (cst.Tuple, cst.List)):
+                for element in node.elements:
+                    self._mark_targets(element.value, whole=False)
+            elif isinstance(node, cst.StarredElement):
+                self._mark_targets(node.value, whole=False)
+
+        def _backend_value(self, original: Any, updated: Any) -> Any:
+            """The ``spmd_backend`` expression for a legacy boolean expression."""
+            literal = bool_literal(original)
+            if literal is not None:
+                return cst.SimpleString(f'"{backend_for(literal)}"')
+            if id(updated) in self._reads:
+                self._review(original, PASSTHROUGH_REVIEW)
+                return self._reads[id(updated)][1]
+            test = updated
+            if not test.lpar and isinstance(
+                test, (cst.IfExp, cst.Lambda, cst.NamedExpr, cst.Yield, cst.Tuple)
+            ):
+                test = parenthesized(test)
+            return cst.IfExp(test=test, body=full_dtensor, orelse=default)
+
+        # -- never rewrite imports ---------------------------------------------------
+        def visit_Import(self, node: Any) -> bool:
+            return False
+
+        def visit_ImportFrom(self, node: Any) -> bool:
+            return False
+
+        # -- stores ------------------------------------------------------------------
+        def visit_Assign(self, node: Any) -> None:
+            whole = all(is_legacy_attribute(t.target) for t in node.targets)
+            for target in node.targets:
+                self._mark_targets(target.target, whole=whole)
+
+        def visit_AugAssign(self, node: Any) -> None:
+            self._mark_targets(node.target, whole=False)
+
+        def visit_AnnAssign(self, node: Any) -> None:
+            self._mark_targets(node.target, whole=False)
+
+        def visit_Del(self, node: Any) -> None:
+            self._mark_targets(node.target, whole=False)
+
+        def leave_Assign(self, original: Any, updated: Any) -> Any:
+            if not all(is_legacy_attribute(t.target) for t in original.targets):
+                return updated
+            targets = [t.with_changes(target=renamed(t.target)) for t in updated.targets]
+            value = self._backend_value(original.value, updated.value)
+            return updated.with_changes(targets=targets, value=value)
+
+        # -- reads -------------------------------------------------------------------
+        def leave_Attribute(self, original: Any, updated: Any) -> Any:
+            if not is_legacy_attribute(original) or id(original) in self._targets:
+                return updated
+            if isinstance(self.get_metadata(ParentNodeProvider, original), cst.MatchValue):
+                self._review(original, "full_dtensor in a match pattern left unchanged; migrate by hand.")
+                return updated
+            attribute = renamed(updated)
+            left = attribute.with_changes(lpar=(), rpar=())
+            comparison = cst.Comparison(
+                left=left,
+                comparisons=[cst.ComparisonTarget(cst.Equal(), full_dtensor)],
+                lpar=updated.lpar,
+                rpar=updated.rpar,
+            )
+            if not updated.lpar and self._binds_tighter(original):
+                comparison = parenthesized(comparison)
+            self._reads[id(comparison)] = (comparison, attribute)
+            return comparison
+
+        def _binds_tighter(self, node: Any) -> bool:
+            """Whether ``node``'s parent binds tighter than a comparison does."""
+            parent = self.get_metadata(ParentNodeProvider, node)
+            if isinstance(parent, cst.Attribute | cst.Subscript):
+                return parent.value is node
+            if isinstance(parent, cst.Call):
+                return parent.func is node
+            if isinstance(parent, cst.UnaryOperation):
+                return not isinstance(parent.operator, cst.Not)
+            if isinstance(parent, cst.Arg):
+                return bool(parent.star)
+            return isinstance(
+                parent,
+                cst.BinaryOperation
+                | cst.Comparison
+                | cst.ComparisonTarget
+                | cst.Await
+                | cst.StarredElement
+                | cst.StarredDictElement,
+            )
+
+        def leave_UnaryOperation(self, original: Any, updated: Any) -> Any:
+            if not isinstance(updated.operator, cst.Not) or id(updated.expression) not in self._reads:
+                return updated
+            comparison = updated.expression
+            target = comparison.comparisons[0].with_changes(operator=cst.NotEqual())
+            self._review(original, NOT_REVIEW)
+            return comparison.with_changes(
+                comparisons=[target],
+                # `(not (x.full_dtensor))` keeps one pair of parentheses, not two.
+                lpar=updated.lpar or comparison.lpar,
+                rpar=updated.rpar or comparison.rpar,
+            )
+
+        # -- keyword arguments -------------------------------------------------------
+        def leave_Arg(self, original: Any, updated: Any) -> Any:
+            if updated.keyword is None or updated.keyword.value != "full_dtensor":
+                return updated
+            parent = self.get_metadata(ParentNodeProvider, original)
+            siblings = getattr(parent, "args", ())
+            if any(a.keyword is not None and a.keyword.value == "spmd_backend" for a in siblings):
+                self._review(
+                    original,
+                    "full_dtensor= left unchanged: the call also passes spmd_backend=; "
+                    "delete the legacy keyword by hand.",
+                )
+                return updated
+            value = self._backend_value(original.value, updated.value)
+            return updated.with_changes(keyword=cst.Name("spmd_backend"), value=value)
+
+        # -- CLI flags in string literals ----------------------------------------------
+        def _rewrite_string_part(self, original: Any, text: str, *, placeholder_at_end: bool = False) -> str:
+            new, notes = _rewrite_cli(text, placeholder_at_end=placeholder_at_end)
+            for offset, message in notes:
+                line = self._line(original) + text.count("\n", 0, offset)
+                self.review_sites.append(ReviewSite(line, message))
+            return new
+
+        def leave_SimpleString(self, original: Any, updated: Any) -> Any:
+            return updated.with_changes(value=self._rewrite_string_part(original, updated.value))
+
+        def leave_FormattedString(self, original: Any, updated: Any) -> Any:
+            parts = list(updated.parts)
+            for index, part in enumerate(parts):
+                if isinstance(part, cst.FormattedStringText):
+                    followed = index + 1 < len(parts) and isinstance(
+                        parts[index + 1], cst.FormattedStringExpression
+                    )
+                    value = self._rewrite_string_part(original, part.value, placeholder_at_end=followed)
+                    parts[index] = part.with_changes(value=value)
+            return updated.with_changes(parts=parts)
+
+        def _fold_argv(self, original: Any, updated: Any) -> Any:
+            """``["--parallelism.full_dtensor", "false"]`` -> ``["--parallelism.spmd_backend=default"]``."""
+            old, new = list(original.elements), list(updated.elements)
+            out: list[Any] = []
+            index = 0
+            while index < len(new):
+                flag = string_value(old[index].value)
+                value = string_value(old[index + 1].value) if index + 1 < len(old) else None
+                if (
+                    flag is not None
+                    and value is not None
+                    and re.fullmatch(r"--parallelism\.full[-_]dtensor", flag)
+                    and value.lower() in _BOOL_WORDS
+                ):
+                    string = old[index].value
+                    text = f"--parallelism.spmd_backend={backend_for(_BOOL_WORDS[value.lower()])}"
+                    literal = string.with_changes(value=f"{string.prefix}{string.quote}{text}{string.quote}")
+                    out.append(new[index].with_changes(value=literal, comma=new[index + 1].comma))
+                    index += 2
+                else:
+                    out.append(new[index])
+                    index += 1
+            return updated.with_changes(elements=out) if len(out) != len(new) else updated
+
+        def leave_List(self, original: Any, updated: Any) -> Any:
+            return self._fold_argv(original, updated)
+
+        def leave_Tuple(self, original: Any, updated: Any) -> Any:
+            return self._fold_argv(original, updated)
+
+    def string_value(node: Any) -> str | None:
+        if isinstance(node, cst.SimpleString) and "\\" not in node.value and "b" not in node.prefix.lower():
+            return str(node.evaluated_value)
+        return None
+
+    return Migrator
+
+
+_PYTHON_HINT = re.compile(r"full[-_]dtensor")
+
+
+def migrate_python(source: str) -> MigrationResult:
+    """Rewrite legacy ``full_dtensor`` uses in Python ``source``, keeping its formatting.
+
+    See the module docstring for the conversions. ``review_sites`` lists each
+    ``not x.full_dtensor`` that became ``x.spmd_backend != "full_dtensor"`` (it
+    now also covers ``spmd_types``) and every site left for a human.
+
+    Raises :class:`ImportError` naming the ``migrate`` extra if ``libcst`` is
+    missing, and :class:`MigrationError` if ``source`` does not parse.
+    """
+    if not _PYTHON_HINT.search(source):
+        return MigrationResult(source)
+    cst = _import_libcst()
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise MigrationError(f"cannot parse Python: {exc}") from exc
+    transformer = _transformer_class()()
+    new = cst.MetadataWrapper(module).visit(transformer)
+    sites = sorted(set(transformer.review_sites), key=lambda s: (s.line, s.message))
+    return MigrationResult(new.code, sites)
+
+
+# --------------------------------------------------------------------------------------
+# Files and the command line.
+# --------------------------------------------------------------------------------------
+def _is_venv(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, "pyvenv.cfg"))
+
+
+def iter_files(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """The files under ``path`` that the migration handles, in a stable order.
+
+    A file named directly is yielded whatever its suffix (``migrate_file``
+    decides); directories are walked, skipping :data:`SKIP_DIRS` and virtualenvs.
+    Raises :class:`FileNotFoundError` if ``path`` does not exist.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"no such file or directory: {str(root)!r}")
+    if not root.is_dir():
+        yield root
+        return
+    for directory, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not _is_venv(os.path.join(directory, d))
+        )
+        for name in sorted(filenames):
+            if Path(name).suffix in SUFFIXES:
+                yield Path(directory, name)
+
+
+def migrate_file(path: str | os.PathLike[str]) -> FileMigration:
+    """Migrate one file's text (nothing is written); the suffix selects the rewrite.
+
+    Raises :class:`MigrationError` for an unsupported suffix, an undecodable
+    file or Python that does not parse.
+    """
+    path = Path(path)
+    suffix = path.suffix
+    if suffix not in SUFFIXES:
+        raise MigrationError(f"unsupported file type {suffix or '(none)'!r}")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            original = f.read()
+    except UnicodeDecodeError as exc:
+        raise MigrationError(f"not UTF-8 text: {exc}") from exc
+    if suffix in PYTHON_SUFFIXES:
+        result = migrate_python(original)
+    elif suffix in TOML_SUFFIXES:
+        result = migrate_toml(original)
+    else:
+        result = migrate_cli_text(original)
+    return FileMigration(path, original, result)
+
+
+def migrate_path(path: str | os.PathLike[str], *, write: bool = False) -> list[FileMigration]:
+    """Migrate every handled file under ``path``; with ``write=True`` save the changes.
+
+    Returns one :class:`FileMigration` per file examined (check ``.changed``).
+    """
+    migrations = [migrate_file(file) for file in iter_files(path)]
+    if write:
+        for migration in migrations:
+            if migration.changed:
+                migration.write()
+    return migrations
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_spmd.compat.migrate",
+        description=(
+            "Rewrite parallelism.full_dtensor as parallelism.spmd_backend in Python, "
+            "TOML, shell and YAML files."
+        ),
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if any file would change"
+    )
+    parser.add_argument(
+        "--diff", action="store_true", help="write nothing; print a unified diff of the changes"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    missing = [p for p in args.paths if not os.path.exists(p)]
+    if missing:
+        for p in missing:
+            print(f"error: no such file or directory: {p}", file=sys.stderr)
+        return 2
+
+    files: list[Path] = []
+    seen: set[str] = set()
+    for p in args.paths:
+        for file in iter_files(p):
+            key = os.path.realpath(file)
+            if key not in seen:
+                seen.add(key)
+                files.append(file)
+
+    changed: list[FileMigration] = []
+    errors = 0
+    for file in files:
+        try:
+            migration = migrate_file(file)
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except (MigrationError, OSError) as exc:
+            print(f"error: {file}: {exc}", file=sys.stderr)
+            errors += 1
+            continue
+        for site in migration.result.review_sites:
+            print(f"{file}:{site.line}: review: {site.message}", file=sys.stderr)
+        if migration.changed:
+            changed.append(migration)
+
+    dry_run = args.check or args.diff
+    for migration in changed:
+        if args.diff:
+            sys.stdout.write(migration.diff())
+        elif args.check:
+            print(f"would rewrite {migration.path}")
+        else:
+            migration.write()
+    if args.check:
+        print(f"{len(changed)} file(s) would be rewritten")
+    elif not dry_run:
+        print(f"rewrote {len(changed)} file(s)")
+    if errors:
+        return 2
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
