@@ -19,11 +19,7 @@ from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 
 # Lines marked "compat hook" call into compat/ for the legacy `full_dtensor`
 # spellings; deleting compat/ and those lines removes legacy support.
-from torchtitan_spmd.compat.legacy import (
-    LegacyParallelismMixin,  # compat hook
-    accept_legacy_parallelism_kwargs,  # compat hook
-    translate_legacy_section,  # compat hook
-)
+from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
 
@@ -116,7 +112,7 @@ class _Section:
                 f"[{cls.section_name}] must be a table/mapping, got {type(data).__name__}."
             )
         normalised = {str(k).replace("-", "_"): v for k, v in data.items()}
-        normalised = translate_legacy_section(cls.section_name, normalised)  # compat hook
+        normalised = _legacy.translate_legacy_section(cls.section_name, normalised)  # compat hook
         known = cls.field_names()
         for key in normalised:
             if key not in known:
@@ -231,10 +227,10 @@ class TrainingConfig(_Section):
             raise ValueError(f"training.max_norm must be >= 0, got {self.max_norm}.")
 
 
-@accept_legacy_parallelism_kwargs  # compat hook
+@_legacy.accept_legacy_parallelism_kwargs  # compat hook
 @dataclass
 class ParallelismConfig(
-    LegacyParallelismMixin,  # compat hook
+    _legacy.LegacyParallelismMixin,  # compat hook
     _Section,
 ):
     """``[parallelism]``: parallel degrees and the SPMD backend."""

@@ -30,10 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from torchtitan_spmd._errors import suggest
-from torchtitan_spmd.compat.legacy import (
-    translate_legacy_cli_args,  # compat hook
-    translate_legacy_toml,  # compat hook
-)
+from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from .job_config import JobConfig
 
@@ -146,7 +143,7 @@ class ConfigManager:
         if "-h" in args or "--help" in args:
             print(self.help_text())
             raise SystemExit(0)
-        args = translate_legacy_cli_args(args)  # compat hook
+        args = _legacy.translate_legacy_cli_args(args)  # compat hook
         overrides = self._parse_overrides(args)
         config_file = next(
             (value for (section, name), value in overrides.items() if (section, name) == ("job", "config_file")),
@@ -172,7 +169,7 @@ class ConfigManager:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"job.config_file {path!r} is not valid TOML: {err}") from None
-        data = translate_legacy_toml(data, str(file), text)  # compat hook
+        data = _legacy.translate_legacy_toml(data, str(file), text)  # compat hook
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ValueError(
