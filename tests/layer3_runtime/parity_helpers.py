@@ -1,0 +1,72 @@
+"""Helpers for the parity tests: run the real Trainer on forked gloo ranks."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.testing.multiprocess import run_forked
+
+#: name -> (world size, parallelism overrides)
+PARITY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
+    "fsdp4": (4, {"data_parallel_shard_degree": 4}),
+    "hsdp2x2": (4, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
+    "tp2_sp": (2, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    "fsdp2_tp2": (4, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+}
+
+STEPS = 10
+LOCAL_BATCH = 2
+SEQ_LEN = 32
+FLAVOR = "tiny"
+
+
+def job_config(backend: str, parallelism: dict[str, Any], *, local_batch: int = LOCAL_BATCH,
+               steps: int = STEPS, **debug: Any) -> JobConfig:
+    """A deterministic fp32 config for parity runs."""
+    return JobConfig.from_dict(
+        {
+            "model": {"flavor": FLAVOR},
+            "training": {"steps": steps, "local_batch_size": local_batch, "seq_len": SEQ_LEN,
+                         "device": "cpu", "max_norm": 1.0},
+            "optimizer": {"lr": 3e-3},
+            "lr_scheduler": {"warmup_steps": 2},
+            "parallelism": {**parallelism, "spmd_backend": backend},
+            "debug": {"seed": 1234, "deterministic": True, **debug},
+        }
+    )
+
+
+def _train(rank: int, world: int, cfg: JobConfig) -> list[tuple[float, float]]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    return [(r.loss, r.grad_norm) for r in trainer.run()]
+
+
+def run_config(cfg: JobConfig, world: int) -> list[tuple[float, float]]:
+    """Per-step (loss, grad_norm) of a run; every rank must agree exactly."""
+    per_rank = run_forked(_train, world, cfg, timeout_s=300)
+    for rank, records in enumerate(per_rank):
+        if records != per_rank[0]:
+            raise AssertionError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
+    return per_rank[0]
+
+
+@functools.cache
+def reference(global_batch: int, steps: int = STEPS) -> tuple[tuple[float, float], ...]:
+    """The single-process run on the same global batch (cached per batch size)."""
+    cfg = job_config("default", {"data_parallel_shard_degree": 1}, local_batch=global_batch, steps=steps)
+    return tuple(run_config(cfg, 1))
+
+
+def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
+    """How many data-parallel ranks share the global batch."""
+    tp = parallelism.get("tensor_parallel_degree", 1)
+    return world // tp
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    """Largest relative difference between two equal-length series."""
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

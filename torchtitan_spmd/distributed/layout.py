@@ -1,0 +1,239 @@
+"""``SpmdLayout``: the one layout language every backend interprets.
+
+A layout says, per mesh axis, which ``spmd_types`` type a tensor has there:
+
+====== =========================================== ==================
+type   meaning                                     DTensor placement
+====== =========================================== ==================
+``R``  replicated (gradient is partial)            ``Replicate()``
+``I``  invariant (same value, invariant gradient)  ``Replicate()``
+``V``  varying, unrelated to any global tensor     (none)
+``P``  partial: a pending sum                      ``Partial()``
+``S(d)`` varying, concatenated on tensor dim ``d`` ``Shard(d)``
+====== =========================================== ==================
+
+Axes not mentioned are ``R``. Instead of ``S(d)``, a layout may give an explicit
+partition spec (one entry per tensor dim: ``None``, an axis, or a tuple of axes
+in sharding order) with those axes typed ``V``; that is the only way to shard
+one dim over several axes.
+
+Examples::
+
+    SpmdLayout({"tp": S(0)})                         # colwise weight
+    SpmdLayout({"dp": S(0), "cp": S(1)})             # tokens
+    SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"), None))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from spmd_types import I, P, R, S, V
+from spmd_types.types import PerMeshAxisLocalSpmdType, Shard
+
+#: A per-axis type: ``R``, ``I``, ``V``, ``P`` or ``S(d)``.
+AxisType: TypeAlias = PerMeshAxisLocalSpmdType | Shard
+#: One partition-spec entry: unsharded, one axis, or several axes in sharding order.
+SpecEntry: TypeAlias = str | tuple[str, ...] | None
+
+__all__ = ["AxisType", "I", "P", "R", "S", "SpecEntry", "SpmdLayout", "V"]
+
+
+def _is_axis_type(value: object) -> bool:
+    return isinstance(value, Shard | PerMeshAxisLocalSpmdType)
+
+
+@dataclass(frozen=True)
+class SpmdLayout:
+    """Per-mesh-axis ``spmd_types`` types plus an optional partition spec. Immutable.
+
+    Args:
+        types: mapping of mesh-axis name to ``R``, ``I``, ``V``, ``P`` or ``S(d)``.
+            Axes not listed are ``R``.
+        partition_spec: optional; one entry per tensor dim. Mutually exclusive
+            with ``S(d)`` types.
+
+    Raises:
+        TypeError: a type is not an spmd_types per-axis type, or an axis is not a str.
+        ValueError: ``S(d)`` mixed with a partition spec; two axes shard the same
+            dim without a spec; an axis repeated in the spec; a spec axis typed
+            other than ``V``; ``V`` without a spec entry.
+    """
+
+    types: Mapping[str, AxisType] = field(default_factory=dict)
+    partition_spec: tuple[SpecEntry, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.types, Mapping):
+            raise TypeError(f"SpmdLayout.types must be a mapping, got {type(self.types).__name__}.")
+        items = tuple(self.types.items())
+        for axis, typ in items:
+            if not isinstance(axis, str):
+                raise TypeError(f"SpmdLayout: mesh-axis names must be str, got {axis!r}.")
+            if not _is_axis_type(typ):
+                raise TypeError(
+                    f"SpmdLayout: axis {axis!r} has type {typ!r}; expected one of "
+                    "spmd_types R, I, V, P or S(dim)."
+                )
+        # Freeze: a read-only, hashable view of the mapping.
+        object.__setattr__(self, "types", _FrozenTypes(items))
+        if self.partition_spec is not None:
+            self._validate_spec(items)
+        else:
+            seen: dict[int, str] = {}
+            for axis, typ in items:
+                if isinstance(typ, Shard):
+                    if typ.dim in seen:
+                        raise ValueError(
+                            f"SpmdLayout: axes {seen[typ.dim]!r} and {axis!r} both shard tensor "
+                            f"dim {typ.dim}; give a partition_spec to fix their order."
+                        )
+                    seen[typ.dim] = axis
+
+    def _validate_spec(self, items: tuple[tuple[str, AxisType], ...]) -> None:
+        spec = tuple(self.partition_spec or ())
+        for axis, typ in items:
+            if isinstance(typ, Shard):
+                raise ValueError(
+                    f"SpmdLayout: axis {axis!r} is S({typ.dim}) and a partition_spec is given; "
+                    "use V for spec axes or drop the spec."
+                )
+        seen: set[str] = set()
+        normalised: list[SpecEntry] = []
+        for dim, entry in enumerate(spec):
+            axes = (entry,) if isinstance(entry, str) else (entry or ())
+            if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+                raise TypeError(
+                    f"SpmdLayout: partition_spec[{dim}] must be None, an axis name or a tuple "
+                    f"of axis names, got {entry!r}."
+                )
+            for axis in axes:
+                if axis in seen:
+                    raise ValueError(f"SpmdLayout: axis {axis!r} appears twice in partition_spec.")
+                seen.add(axis)
+                typ = self.types.get(axis, V)
+                if typ is not V:
+                    raise ValueError(
+                        f"SpmdLayout: axis {axis!r} is in partition_spec but typed {typ!r}; "
+                        "spec axes must be V."
+                    )
+            normalised.append(entry if entry is None or isinstance(entry, str) else tuple(entry))
+        object.__setattr__(self, "partition_spec", tuple(normalised))
+
+    # ----------------------------------------------------------------------------------
+    def type_of(self, axis: str) -> AxisType:
+        """The type on ``axis``: ``S(d)`` for a spec axis sharding dim ``d``, ``R`` if unlisted."""
+        dims = self.shard_dims()
+        if axis in dims and len(self._axes_on_dim(dims[axis])) == 1:
+            return S(dims[axis])
+        return self.types.get(axis, V if axis in dims else R)
+
+    def _axes_on_dim(self, dim: int) -> tuple[str, ...]:
+        return tuple(a for a, d in self.shard_dims().items() if d == dim)
+
+    def shard_dims(self) -> dict[str, int]:
+        """Map of each sharding axis to the tensor dim it shards."""
+        if self.partition_spec is None:
+            return {a: t.dim for a, t in self.types.items() if isinstance(t, Shard)}
+        out: dict[str, int] = {}
+        for dim, entry in enumerate(self.partition_spec):
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                out[axis] = dim
+        return out
+
+    def shard_order(self, dim: int) -> tuple[str, ...]:
+        """Axes sharding tensor dim ``dim``, outermost first."""
+        if self.partition_spec is None:
+            return self._axes_on_dim(dim)
+        if dim >= len(self.partition_spec):
+            return ()
+        entry = self.partition_spec[dim]
+        return (entry,) if isinstance(entry, str) else (entry or ())
+
+    def with_types(self, **types: AxisType) -> SpmdLayout:
+        """A copy with some axes' types replaced (the partition spec is kept)."""
+        merged = dict(self.types)
+        merged.update(types)
+        return SpmdLayout(merged, self.partition_spec)
+
+    def restricted_to(self, axes: Sequence[str]) -> SpmdLayout:
+        """A copy that only mentions ``axes`` (others become implicit ``R``)."""
+        keep = set(axes)
+        spec = None
+        if self.partition_spec is not None:
+            spec = []
+            for entry in self.partition_spec:
+                names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in keep)
+                spec.append(None if not names else names[0] if len(names) == 1 else names)
+            spec = tuple(spec)
+        return SpmdLayout({a: t for a, t in self.types.items() if a in keep}, spec)
+
+    def placements(self, mesh_dim_names: Sequence[str]) -> tuple[Any, ...]:
+        """DTensor placements on a mesh with these dim names.
+
+        Raises ValueError for ``V`` (no DTensor equivalent) and for a dim sharded
+        over several axes in an order other than the mesh's.
+        """
+        from torch.distributed.tensor import Partial, Replicate
+        from torch.distributed.tensor import Shard as DShard
+
+        dims = self.shard_dims()
+        out: list[Any] = []
+        for axis in mesh_dim_names:
+            if axis in dims:
+                order = [a for a in self.shard_order(dims[axis]) if a in mesh_dim_names]
+                mesh_order = [a for a in mesh_dim_names if a in order]
+                if order != mesh_order:
+                    raise ValueError(
+                        f"SpmdLayout: tensor dim {dims[axis]} is sharded over {tuple(order)} but "
+                        f"the mesh orders those axes {tuple(mesh_order)}; DTensor cannot express it."
+                    )
+                out.append(DShard(dims[axis]))
+                continue
+            typ = self.types.get(axis, R)
+            if typ is R or typ is I:
+                out.append(Replicate())
+            elif typ is P:
+                out.append(Partial())
+            else:
+                raise ValueError(
+                    f"SpmdLayout: axis {axis!r} is V with no shard dim; DTensor has no placement for it."
+                )
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{a}={t!r}" for a, t in self.types.items())
+        spec = f", partition_spec={self.partition_spec!r}" if self.partition_spec is not None else ""
+        return f"SpmdLayout({body}{spec})"
+
+
+class _FrozenTypes(Mapping[str, AxisType]):
+    """A hashable, read-only ordered mapping of axis name to type."""
+
+    __slots__ = ("_items", "_dict")
+
+    def __init__(self, items: tuple[tuple[str, AxisType], ...]) -> None:
+        self._items = items
+        self._dict = dict(items)
+
+    def __getitem__(self, key: str) -> AxisType:
+        return self._dict[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict)
+
+    def __len__(self) -> int:
+        return len(self._dict)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._dict) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._dict)

@@ -1,0 +1,1 @@
+"""Test utilities shipped with the library so forks can reuse them."""

@@ -1,0 +1,120 @@
+"""Run a function on N real gloo ranks in forked processes.
+
+A small, cheap alternative to PyTorch's ``MultiProcessTestCase`` (about 0.5 s
+per 4-rank run on 2 cores instead of 8-20 s): ranks are forked, rendezvous
+through a ``FileStore`` in a temporary directory, and send their results back
+as pickles. Return plain Python data (lists, floats), not tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message holds that rank's traceback."""
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    workdir: str,
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    out = os.path.join(workdir, f"rank{rank}.pkl")
+    try:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+        )
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            result: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
+        result = ("error", traceback.format_exc())
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "error":
+        os._exit(1)
+
+
+def run_forked(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    Returns the per-rank return values, in rank order. Raises :class:`WorkerError`
+    with the failing ranks' tracebacks if any rank raises, and ``TimeoutError``
+    (after killing the ranks) if they do not finish within ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    with tempfile.TemporaryDirectory(prefix="tts-mp-") as workdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, workdir, args, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="fork",
+        )
+        deadline = time.monotonic() + timeout_s
+        failure: BaseException | None = None
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"forked ranks did not finish within {timeout_s:.0f} s")
+        except mp.ProcessRaisedException as err:  # pragma: no cover - we catch in-worker
+            failure = err
+        except mp.ProcessExitedException as err:
+            failure = err
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results: list[Any] = []
+        errors: list[str] = []
+        for rank in range(world_size):
+            path = os.path.join(workdir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: exited without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+                results.append(None)
+            else:
+                results.append(value)
+        if errors:
+            raise WorkerError("\n".join(errors)) from failure
+        return results

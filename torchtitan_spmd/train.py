@@ -1,0 +1,274 @@
+"""The trainer: ``torchrun --nproc-per-node=N -m torchtitan_spmd.train [--section.field value ...]``.
+
+Reads the layer-1 config (TOML via ``--job.config_file`` plus CLI overrides),
+builds the meshes (layer 2), the debug model and its sharding plan, and trains
+with the selected ``parallelism.spmd_backend``. CPU runs use gloo; CUDA runs
+use nccl. Rank 0 logs one line per step::
+
+    step: 3  loss: 5.123456  grad_norm: 1.2345  lr: 4.0e-04  tps: 12345  memory: 812.3MiB
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.data import Tokenizer, build_dataloader
+from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+from torchtitan_spmd.distributed.utils import get_train_context, set_spmd_backend
+from torchtitan_spmd.models import build_model
+from torchtitan_spmd.models.llama_plan import llama_plan
+
+logger = logging.getLogger("torchtitan_spmd")
+
+__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "main"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step measured (identical on every rank except timing)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    peak_memory_mib: float
+
+    def log_line(self) -> str:
+        """The per-step log line; scripts parse ``step: <n>`` and ``loss: <float>``."""
+        return (
+            f"step: {self.step}  loss: {self.loss:.6f}  grad_norm: {self.grad_norm:.4f}  "
+            f"lr: {self.lr:.2e}  tps: {self.tokens_per_s:.0f}  memory: {self.peak_memory_mib:.1f}MiB"
+        )
+
+
+def build_lr_lambda(warmup_steps: int, total_steps: int, min_lr_factor: float):  # noqa: ANN201
+    """Linear warmup from 0 over ``warmup_steps``, then cosine decay to ``min_lr_factor``."""
+
+    def factor(step: int) -> float:
+        # ``step`` counts completed optimizer steps; the first step uses step=0.
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        decay_steps = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        return min_lr_factor + (1 - min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _device_type(job_config: JobConfig) -> str:
+    want = job_config.training.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'.")
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return want
+
+
+def _peak_memory_mib(device_type: str) -> float:
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _check_same_config(job_config: JobConfig) -> None:
+    """Fail on every rank, naming the fields, if ranks were started with different configs."""
+    mine = job_config.to_dict()
+    mine["job"].pop("config_file", None)
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    diffs = []
+    for rank, theirs in enumerate(everyone):
+        if theirs is None:
+            continue
+        for section, table in mine.items():
+            for key, value in table.items():
+                if theirs[section].get(key) != value:
+                    diffs.append(f"{section}.{key}: rank {dist.get_rank()} has {value!r}, rank {rank} has {theirs[section].get(key)!r}")
+    if diffs:
+        raise ValueError("ranks were started with different configs:\n  " + "\n  ".join(sorted(set(diffs))[:20]))
+
+
+class Trainer:
+    """Builds everything from a :class:`JobConfig` and trains; see :meth:`run`.
+
+    Uses the default process group if one is initialised (tests, notebooks);
+    otherwise initialises it from the torchrun environment.
+    """
+
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        self.device_type = _device_type(job_config)
+        self._owns_pg = False
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                os.environ.setdefault("RANK", "0")
+                os.environ.setdefault("WORLD_SIZE", "1")
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group(
+                "nccl" if self.device_type == "cuda" else "gloo",
+                timeout=timedelta(seconds=job_config.comm.init_timeout_seconds),
+            )
+            self._owns_pg = True
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count())
+        if self.world_size > 1:
+            _check_same_config(job_config)
+
+        par = job_config.parallelism
+        self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
+        self.backend = get_backend(par.spmd_backend)
+        self.backend.validate_config(job_config, self.parallel_dims)
+        self.parallel_dims.build_mesh()
+        set_spmd_backend(par.spmd_backend)
+
+        seed = job_config.debug.seed if job_config.debug.seed is not None else 0
+        torch.manual_seed(seed)
+        if job_config.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        self.tokenizer = Tokenizer()
+        model = build_model(job_config.model.flavor, seed=seed, vocab_size=self.tokenizer.vocab_size)
+        self._check_divisibility(model)
+        self.plan = llama_plan(sequence_parallel=par.enable_sequence_parallel)
+        model = model.to(self.device_type)
+        self.model: nn.Module = self.backend.parallelize(model, self.parallel_dims, self.plan, job_config)
+
+        opt = job_config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay,
+            betas=(0.9, 0.95), foreach=False,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            build_lr_lambda(job_config.lr_scheduler.warmup_steps, job_config.training.steps,
+                            job_config.lr_scheduler.min_lr_factor),
+        )
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        dp_degree = batch_mesh.size() if batch_mesh is not None else 1
+        self.dataloader = build_dataloader(
+            dp_rank=dp_rank, dp_degree=dp_degree,
+            local_batch_size=job_config.training.local_batch_size,
+            seq_len=job_config.training.seq_len, seed=seed,
+        )
+        self.train_context = get_train_context(
+            enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
+            parallel_dims=self.parallel_dims,
+            spmd_typechecking=job_config.debug.spmd_typechecking,
+        )
+
+    def _check_divisibility(self, model: nn.Module) -> None:
+        pd, cfg = self.parallel_dims, getattr(model, "config", None)
+        if cfg is None or not pd.tp_enabled:
+            return
+        tp = pd.tp
+        checks = {
+            "model n_heads": cfg.n_heads,
+            "model n_kv_heads": cfg.n_kv_heads or cfg.n_heads,
+            "model ffn hidden dim": cfg.ffn_hidden_dim,
+            "vocab size": cfg.vocab_size,
+        }
+        if self.job_config.parallelism.enable_sequence_parallel:
+            checks["training.seq_len"] = self.job_config.training.seq_len
+        for what, value in checks.items():
+            if value % tp:
+                raise ValueError(
+                    f"{what}={value} is not divisible by parallelism.tensor_parallel_degree={tp}."
+                )
+
+    def step(self, step: int) -> StepRecord:
+        """Run optimizer step number ``step`` (1-based)."""
+        start = time.perf_counter()
+        tokens, labels = next(self.dataloader)
+        tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
+        inputs, targets = self.backend.prepare_inputs(tokens, labels, self.parallel_dims)
+        with self.train_context():
+            logits = self.model(inputs)
+            loss = self.backend.compute_loss(logits, targets)
+            loss.backward()
+        grad_norm = self.backend.clip_grad_norm_(self.model, self.job_config.training.max_norm,
+                                                 self.parallel_dims)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = self.backend.loss_value(loss, self.parallel_dims)
+        elapsed = time.perf_counter() - start
+        return StepRecord(
+            step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,
+            tokens_per_s=tokens.numel() / elapsed if elapsed > 0 else float("inf"),
+            peak_memory_mib=_peak_memory_mib(self.device_type),
+        )
+
+    def run(self) -> list[StepRecord]:
+        """Train for ``training.steps`` steps; rank 0 logs each step. Returns the records."""
+        records = []
+        log_freq = self.job_config.metrics.log_freq
+        steps = self.job_config.training.steps
+        for step in range(1, steps + 1):
+            record = self.step(step)
+            records.append(record)
+            if self.rank == 0 and (step % log_freq == 0 or step == steps):
+                logger.info(record.log_line())
+        return records
+
+    def close(self) -> None:
+        """Destroy the process group if this trainer created it."""
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not sys.warnoptions:
+        warnings.simplefilter("default", DeprecationWarning)
+    try:
+        job_config = ConfigManager().parse_args(list(argv) if argv is not None else None)
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    trainer = None
+    try:
+        trainer = Trainer(job_config)
+        if trainer.rank == 0:
+            par = asdict(job_config.parallelism)
+            logger.info(
+                f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
+                f"spmd_backend={par['spmd_backend']}, model={job_config.model.flavor}, "
+                f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
+                f"tp={trainer.parallel_dims.tp}"
+            )
+        records = trainer.run()
+        if trainer.rank == 0 and records:
+            logger.info(f"done: loss {records[0].loss:.4f} -> {records[-1].loss:.4f} in {len(records)} steps")
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
