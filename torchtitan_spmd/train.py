@@ -27,6 +27,7 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig
 from torchtitan_spmd.data import Tokenizer, build_dataloader
+from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
 from torchtitan_spmd.distributed.backends import get_backend
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.utils import get_train_context, set_spmd_backend
@@ -164,10 +165,15 @@ class Trainer:
         batch_mesh = self.parallel_dims.get_optional_mesh("batch")
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         dp_degree = batch_mesh.size() if batch_mesh is not None else 1
+        training = job_config.training
+        # Generate about twice the text the run reads (cheaper start-up for short runs).
+        # It depends only on the global batch, so every layout sees the same data.
+        needed = training.steps * training.local_batch_size * dp_degree * (training.seq_len + 1)
         self.dataloader = build_dataloader(
             dp_rank=dp_rank, dp_degree=dp_degree,
-            local_batch_size=job_config.training.local_batch_size,
-            seq_len=job_config.training.seq_len, seed=seed,
+            local_batch_size=training.local_batch_size,
+            seq_len=training.seq_len, seed=seed,
+            corpus_chars=min(DEFAULT_CORPUS_CHARS, max(1 << 16, 2 * needed)),
         )
         self.train_context = get_train_context(
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,

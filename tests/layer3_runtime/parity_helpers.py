@@ -45,8 +45,21 @@ def _train(rank: int, world: int, cfg: JobConfig) -> list[tuple[float, float]]:
     return [(r.loss, r.grad_norm) for r in trainer.run()]
 
 
+@functools.cache
+def warm_parent() -> None:
+    """Import the heavy modules once in the test process, so forked ranks inherit them.
+
+    (``debug.deterministic`` imports torch._inductor: seconds per rank otherwise.)
+    Done at first use, not at collection, so deselected runs don't pay for it.
+    """
+    import torch._inductor  # noqa: F401
+
+    import torchtitan_spmd.train  # noqa: F401
+
+
 def run_config(cfg: JobConfig, world: int) -> list[tuple[float, float]]:
     """Per-step (loss, grad_norm) of a run; every rank must agree exactly."""
+    warm_parent()
     per_rank = run_forked(_train, world, cfg, timeout_s=300)
     for rank, records in enumerate(per_rank):
         if records != per_rank[0]:

@@ -1,0 +1,112 @@
+"""Step-time benchmark: the SPMD backends on the same job, interleaved in one run.
+
+    python bench/step_bench.py                       # 4 gloo ranks, FSDP 2 x TP 2, debugmodel
+    python bench/step_bench.py --steps 8 --variants default,full_dtensor
+
+Every rank builds one trainer per variant (same model, data and seed), then the
+steps are interleaved: step 1 of every variant, then step 2 of every variant,
+and so on, so machine noise hits all variants alike. The first ``--warmup``
+steps (DTensor's sharding-propagation caches, first collectives) are dropped.
+A variant is a backend name, optionally with ``+typecheck`` to turn on
+``debug.spmd_typechecking``. Prints a markdown table of the median step time
+per variant and its ratio to ``default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch._inductor  # noqa: E402,F401  (imported once in the parent, not per rank)
+
+import torchtitan_spmd.train  # noqa: E402,F401
+from torchtitan_spmd.config import JobConfig  # noqa: E402
+from torchtitan_spmd.distributed.backends import get_backend  # noqa: E402
+from torchtitan_spmd.testing.multiprocess import run_forked  # noqa: E402
+
+ALL_VARIANTS = ("default", "full_dtensor", "spmd_types", "spmd_types+typecheck")
+
+
+def _config(variant: str, args: argparse.Namespace) -> JobConfig:
+    backend, _, extra = variant.partition("+")
+    if extra not in ("", "typecheck"):
+        raise ValueError(f"variant {variant!r}: the only suffix is '+typecheck'.")
+    return JobConfig.from_dict(
+        {
+            "model": {"flavor": args.flavor},
+            "training": {"steps": args.steps, "local_batch_size": args.local_batch_size,
+                         "seq_len": args.seq_len, "device": "cpu"},
+            "parallelism": {"data_parallel_shard_degree": args.dp_shard,
+                            "tensor_parallel_degree": args.tp, "spmd_backend": backend},
+            "debug": {"seed": 0, "spmd_typechecking": extra == "typecheck"},
+        }
+    )
+
+
+def _worker(rank: int, world: int, variants: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
+    from torchtitan_spmd.train import Trainer
+
+    trainers = {v: Trainer(_config(v, args)) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for step in range(1, args.steps + 1):
+        for variant, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.step(step)
+            times[variant].append(time.perf_counter() - start)
+    return times
+
+
+def available_variants() -> list[str]:
+    """The variants whose backend has a runtime in this build."""
+    out = []
+    for variant in ALL_VARIANTS:
+        try:
+            get_backend(variant.partition("+")[0])
+        except ValueError:
+            continue
+        out.append(variant)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(available_variants()))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--local-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--dp-shard", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}).")
+    world = args.dp_shard * args.tp
+    start = time.perf_counter()
+    per_rank = run_forked(_worker, world, variants, args, timeout_s=3600)
+    wall = time.perf_counter() - start
+    # A step ends when its slowest rank ends: take the max over ranks per step.
+    medians = {}
+    for v in variants:
+        steps = [max(r[v][i] for r in per_rank) for i in range(args.warmup, args.steps)]
+        medians[v] = statistics.median(steps)
+    base = medians.get("default")
+    print(f"\n{world} gloo ranks, dp_shard={args.dp_shard} x tp={args.tp}, {args.flavor}, "
+          f"local batch {args.local_batch_size} x seq {args.seq_len}, {args.steps - args.warmup} "
+          f"measured steps after {args.warmup} warm-up, interleaved; wall {wall:.0f} s\n")
+    print("| variant | median step (s) | ratio to default |")
+    print("|---|---|---|")
+    for v in variants:
+        ratio = f"{medians[v] / base:.2f}x" if base else "n/a"
+        print(f"| {v} | {medians[v]:.3f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""Layer 3: unsupported combinations and bad plans fail at setup with clear errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.distributed import backends
+from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed.layout import S, SpmdLayout
+from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
+from torchtitan_spmd.testing.multiprocess import WorkerError, run_forked
+
+
+@pytest.fixture
+def fake_world() -> Iterator[None]:
+    """A 4-rank fake process group (no communication: shape-level setup only)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+    dist.init_process_group("fake", rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _cfg(backend: str, **parallelism: int) -> JobConfig:
+    return JobConfig.from_dict(
+        {
+            "model": {"flavor": "tiny"},
+            "training": {"steps": 1, "local_batch_size": 1, "seq_len": 16, "device": "cpu"},
+            "parallelism": {"spmd_backend": backend, **parallelism},
+        }
+    )
+
+
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+@pytest.mark.parametrize(
+    ("degrees", "needles"),
+    [
+        ({"context_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["context parallel", "context_parallel_degree=1"]),
+        ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
+        ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
+    ],
+)
+def test_unsupported_combinations_fail_at_setup(fake_world: None, backend: str, degrees: dict, needles: list[str]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    with pytest.raises(ValueError) as err:
+        Trainer(_cfg(backend, **degrees))
+    msg = str(err.value)
+    assert f"spmd_backend={backend!r}" in msg
+    for needle in needles:
+        assert needle in msg
+
+
+def test_full_dtensor_cp_message_names_sdpa(fake_world: None) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    with pytest.raises(ValueError, match="context parallelism under SDPA attention"):
+        Trainer(_cfg("full_dtensor", context_parallel_degree=2, data_parallel_shard_degree=2))
+
+
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+def test_tp_degree_must_divide_the_model(backend: str) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    def make(rank: int, world: int) -> str:
+        try:
+            Trainer(_cfg(backend, tensor_parallel_degree=3, data_parallel_shard_degree=1))
+        except ValueError as err:
+            return str(err)
+        return "no error"
+
+    messages = run_forked(make, 3)
+    assert all("not divisible by parallelism.tensor_parallel_degree=3" in m for m in messages), messages
+
+
+def test_mismatched_configs_across_ranks_fail_fast() -> None:
+    from torchtitan_spmd.train import Trainer
+
+    def make(rank: int, world: int) -> None:
+        cfg = _cfg("default", data_parallel_shard_degree=2)
+        cfg.training.seq_len = 16 if rank == 0 else 32
+        Trainer(cfg)
+
+    with pytest.raises(WorkerError) as err:
+        run_forked(make, 2, timeout_s=60)
+    assert "ranks were started with different configs" in str(err.value)
+    assert "training.seq_len" in str(err.value)
+
+
+def test_unknown_flavor_lists_the_valid_ones() -> None:
+    from torchtitan_spmd.models import build_model
+
+    with pytest.raises(ValueError, match="debugmodel"):
+        build_model("debug_model", seed=0)
+
+
+def test_get_backend_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="valid choices are 'default', 'full_dtensor', 'spmd_types'"):
+        get_backend("fsdp")
+    backends._CACHE.pop("spmd_types", None)
+    monkeypatch.setattr(backends, "backend_module_name", lambda name: f"torchtitan_spmd.distributed._absent_{name}")
+    with pytest.raises(ValueError, match="has no runtime in this build"):
+        get_backend("spmd_types")
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_plan_pattern_matching_nothing() -> None:
+    plan = ShardingPlan({"proj": ModulePlan(), "missing.*": ModulePlan()})
+    with pytest.raises(ValueError, match="'missing.\\*' matches no module"):
+        plan.resolve(_Tiny())
+
+
+def test_plan_unknown_parameter() -> None:
+    plan = ShardingPlan({"proj": ModulePlan(params={"bias": SpmdLayout({"tp": S(0)})})})
+    with pytest.raises(ValueError, match="lays out 'bias'.*has only \\['weight'\\]"):
+        plan.resolve(_Tiny())
+
+
+def test_plan_module_matched_twice() -> None:
+    plan = ShardingPlan({"proj": ModulePlan(), "pro*": ModulePlan()})
+    with pytest.raises(ValueError, match="matches two plan patterns"):
+        plan.resolve(_Tiny())
+
+
+def test_plan_types_are_checked() -> None:
+    with pytest.raises(TypeError, match="must be an SpmdLayout"):
+        ModulePlan(params={"weight": "S(0)"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="Redistribute.dst must be an SpmdLayout"):
+        Redistribute(SpmdLayout(), None)  # type: ignore[arg-type]
+
+
+def test_wildcards_do_not_span_dots() -> None:
+    from torchtitan_spmd.distributed.plan import fqn_matches
+
+    assert fqn_matches("layers.*", "layers.0")
+    assert not fqn_matches("layers.*", "layers.0.attention")
+    assert fqn_matches("", "") and not fqn_matches("", "layers")
+
+
+@pytest.mark.backend("full_dtensor")
+def test_full_dtensor_rejects_plain_tensors_at_module_boundaries() -> None:
+    from torchtitan_spmd.train import Trainer
+
+    def make(rank: int, world: int) -> str:
+        trainer = Trainer(_cfg("full_dtensor", data_parallel_shard_degree=1))
+        tokens = torch.zeros(1, 16, dtype=torch.long)
+        try:
+            trainer.model(tokens)
+        except TypeError as err:
+            return str(err)
+        return "no error"
+
+    (message,) = run_forked(make, 1)
+    assert "plain torch.Tensor reached" in message and "parallelize_inputs" in message
