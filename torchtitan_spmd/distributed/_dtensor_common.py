@@ -6,28 +6,52 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 
-def dtensor_clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
-    """Clip over the global norm of (possibly DTensor) gradients; return the norm.
+def dtensor_global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over all (DTensor or plain) ``grads`` as a global, fp32 scalar.
 
-    Every gradient must live on the same mesh (true for both DTensor backends:
-    FSDP's mesh, or the one dense mesh). The DTensor norm is reduced with
-    ``full_tensor()``, so sharded and replicated axes are each counted once.
+    Each DTensor contributes the squares of its local shard, summed over the mesh
+    dims it is sharded on (one all-reduce per dim and distinct placement), never
+    over replicated dims, so every element is counted exactly once.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    totals: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh | None, torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+            # Any placement that is neither replicated nor partial shards the data
+            # (FSDP+TP uses _StridedShard, for which is_shard() is False).
+            dims = tuple(i for i, p in enumerate(g.placements) if not (p.is_replicate() or p.is_partial()))
+            key, mesh, local = (id(g.device_mesh), dims), g.device_mesh, g.to_local()
+        else:
+            key, mesh, local = (0, ()), None, g
+        sq = local.detach().float().pow(2).sum()
+        if key in totals:
+            totals[key] = (mesh, totals[key][1] + sq)
+        else:
+            totals[key] = (mesh, sq)
+    total = torch.zeros((), dtype=torch.float32)
+    for (_, dims), (mesh, sq) in totals.items():
+        for dim in dims:
+            dist.all_reduce(sq, group=mesh.get_group(dim))  # type: ignore[union-attr]
+        total = total + sq.cpu()
+    return total.sqrt()
+
+
+def dtensor_clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """Clip over the global norm of (possibly DTensor) gradients; return the norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    total = dtensor_global_grad_norm([p.grad for p in params])  # type: ignore[misc]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(
-            [p for p in model.parameters() if p.grad is not None], max_norm, total
-        )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))  # type: ignore[union-attr]
     return float(total)
 
 
