@@ -9,7 +9,6 @@ the global gradient norm (before clipping).
 from __future__ import annotations
 
 import pytest
-
 from parity_helpers import (
     LOCAL_BATCH,
     PARITY_CONFIGS,
