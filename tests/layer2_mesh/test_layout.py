@@ -1,0 +1,85 @@
+"""Layer 2: SpmdLayout, the one layout language of every backend."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from torchtitan_spmd.distributed.layout import I, P, R, S, V
+from torchtitan_spmd.distributed.parallel_dims import SpmdLayout
+
+
+def test_unlisted_axes_are_replicated() -> None:
+    layout = SpmdLayout({"tp": S(0)})
+    assert layout.type_of("tp") == S(0)
+    assert layout.type_of("dp") is R
+    assert layout.shard_dims() == {"tp": 0}
+
+
+def test_placements_per_type() -> None:
+    layout = SpmdLayout({"dp": S(0), "tp": P, "cp": I})
+    assert layout.placements(["dp", "cp", "tp", "ep"]) == (Shard(0), Replicate(), Partial(), Replicate())
+
+
+def test_partition_spec_shards_one_dim_over_two_axes_in_order() -> None:
+    layout = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"), None))
+    assert layout.shard_order(0) == ("dp", "tp") and layout.shard_order(1) == ()
+    assert layout.placements(["dp", "tp"]) == (Shard(0), Shard(0))
+    with pytest.raises(ValueError, match="mesh orders those axes"):
+        layout.placements(["tp", "dp"])
+
+
+def test_spec_axes_default_to_varying() -> None:
+    layout = SpmdLayout(partition_spec=(None, "tp"))
+    assert layout.type_of("tp") == S(1)
+    assert layout.shard_dims() == {"tp": 1}
+
+
+def test_shard_mixed_with_spec_is_an_error() -> None:
+    with pytest.raises(ValueError, match="S\\(0\\) and a partition_spec"):
+        SpmdLayout({"tp": S(0)}, partition_spec=("dp",))
+
+
+def test_two_axes_on_one_dim_need_a_spec() -> None:
+    with pytest.raises(ValueError, match="both shard tensor dim 0; give a partition_spec"):
+        SpmdLayout({"dp": S(0), "tp": S(0)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "needle"),
+    [
+        ({"types": {"tp": "S(0)"}}, TypeError, "expected one of spmd_types R, I, V, P or S(dim)"),
+        ({"types": {0: R}}, TypeError, "mesh-axis names must be str"),
+        ({"types": ["tp"]}, TypeError, "must be a mapping"),
+        ({"types": {"tp": R}, "partition_spec": ("tp",)}, ValueError, "spec axes must be V"),
+        ({"partition_spec": ("tp", "tp")}, ValueError, "appears twice"),
+        ({"partition_spec": (3,)}, TypeError, "partition_spec[0]"),
+    ],
+)
+def test_validation(kwargs: dict, exc: type[Exception], needle: str) -> None:
+    with pytest.raises(exc) as err:
+        SpmdLayout(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_v_has_no_dtensor_placement() -> None:
+    with pytest.raises(ValueError, match="V with no shard dim"):
+        SpmdLayout({"tp": V}).placements(["tp"])
+
+
+def test_frozen_and_hashable() -> None:
+    a, b = SpmdLayout({"tp": S(0)}), SpmdLayout({"tp": S(0)})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != SpmdLayout({"tp": S(1)})
+    with pytest.raises(AttributeError):
+        a.types = {}  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        a.types["tp"] = R  # type: ignore[index]
+
+
+def test_with_types_and_restricted_to() -> None:
+    layout = SpmdLayout({"tp": S(0), "dp": R})
+    assert layout.with_types(tp=P).type_of("tp") is P
+    assert layout.restricted_to(["dp"]) == SpmdLayout({"dp": R})
+    spec = SpmdLayout(partition_spec=(("dp", "tp"), "cp"))
+    assert spec.restricted_to(["tp", "cp"]).partition_spec == ("tp", "cp")

@@ -1,0 +1,753 @@
+"""Parallel degrees and the device meshes each SPMD backend needs (layer 2 of the stack).
+
+A drop-in for ``torchtitan.distributed.parallel_dims``::
+
+    pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1,
+                      world_size=8, spmd_backend="default")
+    pd.build_mesh()
+    tp_mesh = pd.get_mesh("tp")
+
+Rank layout
+    Ranks are laid out row-major over the five *base axes*
+    ``(pp, dp_replicate, dp_shard, cp, tp)``: ``tp`` neighbours are adjacent
+    ranks, ``pp`` stages are the farthest apart. Every other axis is carved out
+    of that one layout: ``batch``/``dp`` merge ``dp_replicate`` and
+    ``dp_shard``; ``loss`` merges ``dp_replicate``, ``dp_shard`` and ``cp``;
+    ``fsdp`` merges ``dp_shard`` and ``cp``; ``efsdp`` and ``ep`` split the ranks
+    of ``dp_shard*cp*tp`` into ``(dp_shard*cp*tp // ep, ep)``. So EP reuses
+    those ranks and is not a factor of ``world_size``.
+
+Meshes as data
+    What differs between backends is a table (:data:`_BACKEND_MESHES`): its
+    global meshes and their axes, the axes that always get a real process group,
+    the axes ``resolve_mesh`` keeps, and the axes of ``spmd_meshes()``. The class
+    itself never branches on the backend's name.
+
+Built once
+    ``build_mesh()`` creates the process groups of each distinct set of ranks
+    exactly once, with torch's own per-axis group creation, and makes every mesh
+    (the 5-axis world mesh, the global meshes, every sub-mesh) a view over the
+    same rank map that points at those groups. Axes with the same ranks share a
+    group (``batch`` and ``dp``; ``ep`` and ``tp`` when ``ep == tp``; all size-1
+    fake axes), where upstream unflattens the world four times and creates every
+    group again for each view.
+
+Real and fake axes
+    An axis is *active* when it has a real process group: when its size is
+    above 1, and always for ``fsdp`` (default), ``dp_shard`` (full_dtensor and
+    spmd_types) and, when ``ep > 1``, ``efsdp`` (so FSDP can apply mixed
+    precision at size 1). Other axes get groups of torch's ``"fake"`` backend,
+    which exist only so that every mesh axis has a group.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat hook
+from torchtitan_spmd.config import SPMD_BACKEND_ALIASES, SPMD_BACKENDS
+
+from .layout import SpmdLayout
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import ParallelismConfig
+
+__all__ = ["MeshAxisName", "ParallelDims", "SpmdLayout", "unfold_dp_axes"]
+
+
+class MeshAxisName(enum.StrEnum):
+    """Logical names of mesh axes that tensors and modules are placed on."""
+
+    DP = "dp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    FSDP = "fsdp"
+    TP = "tp"
+    CP = "cp"
+    PP = "pp"
+    EP = "ep"
+    EFSDP = "efsdp"
+
+
+def unfold_dp_axes(axes: Iterable[str]) -> list[str]:
+    """Replace a logical ``"dp"`` with ``"dp_replicate", "dp_shard"``, keeping the order.
+
+    >>> unfold_dp_axes(["dp", "cp", "tp"])
+    ['dp_replicate', 'dp_shard', 'cp', 'tp']
+    """
+    out: list[str] = []
+    for axis in axes:
+        name = str(axis)
+        if name == MeshAxisName.DP:
+            out += [MeshAxisName.DP_REPLICATE.value, MeshAxisName.DP_SHARD.value]
+        else:
+            out.append(name)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The tables.
+# --------------------------------------------------------------------------------------
+#: The base axes, outermost first; ranks are laid out row-major over them.
+_BASE_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class _AxisRecipe:
+    """How one mesh axis is carved out of the row-major layout of the base axes."""
+
+    #: Consecutive base axes merged (row-major) into this axis.
+    span: tuple[str, ...]
+    #: Split the span into ``(size // ep, ep)`` and keep the outer or the inner part.
+    ep_part: Literal["outer", "inner"] | None = None
+    #: The axis whose size decides whether this one is active (default: itself).
+    activated_by: str | None = None
+
+
+_AXES: dict[str, _AxisRecipe] = {
+    "pp": _AxisRecipe(("pp",)),
+    "dp_replicate": _AxisRecipe(("dp_replicate",)),
+    "dp_shard": _AxisRecipe(("dp_shard",)),
+    "cp": _AxisRecipe(("cp",)),
+    "tp": _AxisRecipe(("tp",)),
+    "batch": _AxisRecipe(("dp_replicate", "dp_shard")),
+    "dp": _AxisRecipe(("dp_replicate", "dp_shard")),
+    "loss": _AxisRecipe(("dp_replicate", "dp_shard", "cp")),
+    "fsdp": _AxisRecipe(("dp_shard", "cp")),
+    "efsdp": _AxisRecipe(("dp_shard", "cp", "tp"), ep_part="outer", activated_by="ep"),
+    "ep": _AxisRecipe(("dp_shard", "cp", "tp"), ep_part="inner"),
+}
+
+
+@dataclass(frozen=True)
+class _BackendMeshes:
+    """One backend's meshes, as data."""
+
+    #: Global meshes by name, each an ordered tuple of axes. Multi-axis requests are
+    #: sliced from the first one (in this order) that contains every requested axis.
+    global_meshes: dict[str, tuple[str, ...]]
+    #: Axes that have a real process group even at size 1.
+    always_active: frozenset[str]
+    #: The axes ``resolve_mesh`` keeps; ``None`` keeps every axis.
+    in_band: frozenset[str] | None
+    #: ``resolve_mesh`` first replaces a logical ``dp`` with ``dp_replicate, dp_shard``.
+    unfold_dp: bool
+    #: The axes of each mesh in ``spmd_meshes()``, before inactive axes are dropped.
+    spmd_meshes: tuple[tuple[str, ...], ...]
+    #: ``resolve_mesh`` raises unless its result is one of ``spmd_meshes()``.
+    resolve_to_spmd_mesh_only: bool
+
+
+_DATA = ("pp", "batch", "cp", "tp")  # data loading: which batch shard a rank reads
+_LOSS = ("loss",)  # loss all-reduce over every data-parallel rank
+_SPARSE = ("pp", "dp_replicate", "efsdp", "ep")  # MoE experts
+
+_BACKEND_MESHES: dict[str, _BackendMeshes] = {
+    "default": _BackendMeshes(
+        global_meshes={
+            "dense": ("pp", "dp_replicate", "fsdp", "tp"),
+            "sparse": _SPARSE,
+            "data": _DATA,
+            "loss": _LOSS,
+        },
+        always_active=frozenset({"fsdp"}),
+        in_band=frozenset({"tp", "ep"}),
+        unfold_dp=False,
+        spmd_meshes=(("tp",), ("ep",)),
+        resolve_to_spmd_mesh_only=False,
+    ),
+    "full_dtensor": _BackendMeshes(
+        global_meshes={
+            "dense": _BASE_AXES,
+            "sparse": _SPARSE,
+            "data": _DATA,
+            "loss": _LOSS,
+        },
+        always_active=frozenset({"dp_shard"}),
+        in_band=None,
+        unfold_dp=True,
+        spmd_meshes=(("dp_replicate", "dp_shard", "cp", "tp"), ("dp_replicate", "efsdp", "ep")),
+        resolve_to_spmd_mesh_only=True,
+    ),
+    "spmd_types": _BackendMeshes(
+        global_meshes={
+            "storage": _BASE_AXES,
+            "dense": ("pp", "dp", "cp", "tp"),
+            "sparse": _SPARSE,
+            "data": _DATA,
+            "loss": _LOSS,
+        },
+        always_active=frozenset({"dp_shard"}),
+        in_band=frozenset({"dp", "cp", "tp", "ep"}),
+        unfold_dp=False,
+        spmd_meshes=(("dp", "cp", "tp"), ("ep",)),
+        resolve_to_spmd_mesh_only=False,
+    ),
+}
+
+if set(_BACKEND_MESHES) != set(SPMD_BACKENDS):  # pragma: no cover - a packaging error
+    raise ImportError(
+        f"parallel_dims has mesh tables for {sorted(_BACKEND_MESHES)} but the config "
+        f"accepts {sorted(SPMD_BACKENDS)}."
+    )
+
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+_FROZEN_AFTER_BUILD = (*_DEGREES, "world_size", "spmd_backend", "device_type")
+
+
+def _suggest(value: str, choices: Iterable[str]) -> str:
+    match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _ensure_fake_backend_registered() -> None:
+    # Importing this module registers torch's "fake" process-group backend
+    # (torch 2.14: it is listed in Backend.backend_list but has no creator until then).
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+# --------------------------------------------------------------------------------------
+# ParallelDims.
+# --------------------------------------------------------------------------------------
+@legacy_parallel_dims  # compat hook
+@dataclass
+class ParallelDims:
+    """Parallel degrees, their validation, and the device meshes of one SPMD backend.
+
+    Args:
+        dp_replicate: replicated data-parallel degree (the outer axis of HSDP).
+        dp_shard: sharded data-parallel (FSDP) degree; ``-1`` infers
+            ``world_size // (dp_replicate * cp * tp * pp)``.
+        cp: context-parallel degree.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        ep: expert-parallel degree. Not a factor of ``world_size``: EP reuses the
+            ranks of ``dp_shard * cp * tp``, which it must divide.
+        world_size: the number of ranks.
+        spmd_backend: ``"default"``, ``"full_dtensor"`` or ``"spmd_types"``.
+        device_type: device of the meshes; default ``"cuda"`` when CUDA is
+            available, else ``"cpu"``. Also chooses the process-group backend
+            (:attr:`pg_backend`) if ``build_mesh`` has to initialise one.
+
+    Raises:
+        ValueError: a degree below 1 (``dp_shard`` may be -1); degrees whose product
+            is not ``world_size``; ``ep`` not dividing ``dp_shard * cp * tp``; an
+            unknown ``spmd_backend``.
+
+    The degrees are fixed once the meshes are built.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    spmd_backend: str = "default"
+    device_type: str | None = field(default=None, kw_only=True)
+
+    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _meshes: dict[tuple[str, ...], DeviceMesh] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _groups: dict[tuple[_FlatLayout, str | None], str] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    # ---------------------------------------------------------------- construction
+    def __post_init__(self) -> None:
+        if self.device_type is None:
+            self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (isinstance(self.device_type, str) and self.device_type.isalpha()):
+            raise ValueError(
+                f"ParallelDims: device_type must be a device type such as 'cpu' or 'cuda' "
+                f"(no index), got {self.device_type!r}."
+            )
+        self._validate()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "spmd_backend":
+            value = self._check_backend(value)
+        if name in _FROZEN_AFTER_BUILD and getattr(self, "_world_mesh", None) is not None:
+            if getattr(self, name) != value:
+                raise RuntimeError(
+                    f"ParallelDims.{name} cannot change after build_mesh(); "
+                    "create a new ParallelDims instead."
+                )
+        super().__setattr__(name, value)
+
+    @staticmethod
+    def _check_backend(value: Any) -> str:
+        if isinstance(value, str):
+            value = SPMD_BACKEND_ALIASES.get(value, value)
+        if value not in _BACKEND_MESHES:
+            raise ValueError(
+                f"ParallelDims: unknown spmd_backend {value!r}; valid choices are "
+                f"{', '.join(map(repr, SPMD_BACKENDS))}.{_suggest(str(value), SPMD_BACKENDS)}"
+            )
+        return str(value)
+
+    def _validate(self) -> None:
+        for name in (*_DEGREES, "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"ParallelDims: {name} must be an int, got {type(value).__name__} {value!r}."
+                )
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelDims: {name} must be >= 1, got {getattr(self, name)}.")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(
+                f"ParallelDims: dp_shard must be >= 1, or -1 to infer it, got {self.dp_shard}."
+            )
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(
+                    "ParallelDims: cannot infer dp_shard (-1): dp_replicate "
+                    f"({self.dp_replicate}) * cp ({self.cp}) * tp ({self.tp}) * pp ({self.pp}) "
+                    f"= {others} does not divide world_size ({self.world_size})."
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ValueError(
+                f"ParallelDims: dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * "
+                f"cp ({self.cp}) * tp ({self.tp}) * pp ({self.pp}) = {product}, "
+                f"but world_size is {self.world_size}. (ep is not a factor: it reuses "
+                "the dp_shard * cp * tp ranks.)"
+            )
+        region = self.dp_shard * self.cp * self.tp
+        if region % self.ep:
+            raise ValueError(
+                f"ParallelDims: ep ({self.ep}) must divide dp_shard * cp * tp = "
+                f"{self.dp_shard} * {self.cp} * {self.tp} = {region}, because expert "
+                "parallelism reuses those ranks."
+            )
+
+    @classmethod
+    def from_config(
+        cls,
+        parallelism_config: ParallelismConfig,
+        world_size: int,
+        *,
+        device_type: str | None = None,
+    ) -> ParallelDims:
+        """Build from a ``[parallelism]`` config section and the world size."""
+        c = parallelism_config
+        return cls(
+            dp_replicate=c.data_parallel_replicate_degree,
+            dp_shard=c.data_parallel_shard_degree,
+            cp=c.context_parallel_degree,
+            tp=c.tensor_parallel_degree,
+            pp=c.pipeline_parallel_degree,
+            ep=c.expert_parallel_degree,
+            world_size=world_size,
+            spmd_backend=c.spmd_backend,
+            device_type=device_type,
+        )
+
+    # ---------------------------------------------------------------- the tables
+    @property
+    def _table(self) -> _BackendMeshes:
+        return _BACKEND_MESHES[self.spmd_backend]
+
+    @property
+    def mesh_axis_names(self) -> tuple[str, ...]:
+        """The single-axis mesh names of this backend, in table order."""
+        names: dict[str, None] = {}
+        for axes in self._table.global_meshes.values():
+            names.update(dict.fromkeys(axes))
+        return tuple(names)
+
+    def axis_size(self, axis: str) -> int:
+        """The size of mesh axis ``axis`` (any name of :data:`_AXES`, e.g. ``"efsdp"``)."""
+        recipe = _AXES[self._known(axis, _AXES)]
+        size = math.prod(getattr(self, base) for base in recipe.span)
+        if recipe.ep_part == "inner":
+            return self.ep
+        if recipe.ep_part == "outer":
+            return size // self.ep
+        return size
+
+    def is_axis_active(self, axis: str) -> bool:
+        """Whether ``axis`` has a real process group (otherwise a fake one).
+
+        True when the axis is larger than 1, and always for ``fsdp`` (default) and
+        ``dp_shard`` (full_dtensor, spmd_types); ``efsdp`` is active iff ``ep > 1``.
+        """
+        name = self._known(axis, _AXES)
+        if name in self._table.always_active:
+            return True
+        return self.axis_size(_AXES[name].activated_by or name) > 1
+
+    def _axis_layout(self, axis: str) -> _FlatLayout:
+        recipe = _AXES[axis]
+        # Row-major: a base axis' stride is the product of the degrees inside it.
+        strides = {
+            base: math.prod(getattr(self, inner) for inner in _BASE_AXES[i + 1 :])
+            for i, base in enumerate(_BASE_AXES)
+        }
+        sizes = tuple(getattr(self, b) for b in recipe.span)
+        span = _FlatLayout(sizes, tuple(strides[b] for b in recipe.span))
+        if recipe.ep_part is None:
+            return span
+        outer, inner = span.composition(
+            _MeshLayout.from_sizes_strides((math.prod(sizes) // self.ep, self.ep))
+        )
+        return outer if recipe.ep_part == "outer" else inner
+
+    @staticmethod
+    def _known(axis: Any, valid: Iterable[str]) -> str:
+        name = str(axis)
+        if name not in valid:
+            raise ValueError(
+                f"ParallelDims: unknown mesh axis {axis!r}; valid names are "
+                f"{', '.join(map(repr, valid))}.{_suggest(name, valid)}"
+            )
+        return name
+
+    def _names(self, dims: str | Sequence[str]) -> tuple[str, ...]:
+        """Validate mesh axis names against this backend's; return them as plain str."""
+        names = (str(dims),) if isinstance(dims, str) else tuple(str(d) for d in dims)
+        if not names:
+            raise ValueError("ParallelDims: no mesh axis requested.")
+        valid = self.mesh_axis_names
+        for name in names:
+            if name not in valid:
+                raise ValueError(
+                    f"ParallelDims: unknown mesh {name!r} for spmd_backend={self.spmd_backend!r}; "
+                    f"valid names are {', '.join(map(repr, valid))}.{_suggest(name, valid)}"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"ParallelDims: mesh axes {names} repeat an axis.")
+        return names
+
+    # ---------------------------------------------------------------- building
+    @property
+    def pg_backend(self) -> str:
+        """The process-group backend for :attr:`device_type`: gloo on CPU, nccl on CUDA."""
+        return dist.Backend.default_device_backend_map.get(str(self.device_type), "gloo")
+
+    def build_mesh(self) -> DeviceMesh:
+        """Create every mesh of this backend (idempotent); return the world mesh.
+
+        Initialises the default process group with :attr:`pg_backend` if there is
+        none (``env://``, as set by torchrun). Raises ``ValueError`` if it has a
+        different world size, and ``RuntimeError`` if a built mesh or one of its
+        groups does not have the expected size.
+        """
+        if self._world_mesh is not None:
+            return self._world_mesh
+        if not dist.is_initialized():
+            dist.init_process_group(self.pg_backend)
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims: world_size is {self.world_size} but the default process "
+                f"group has {dist.get_world_size()} ranks."
+            )
+        rank_map = torch.arange(self.world_size, dtype=torch.int)
+        world = self._new_mesh(_BASE_AXES, rank_map, root=None)
+        self._check_mesh(_BASE_AXES, world)
+        self._world_mesh = world
+        self._meshes = {_BASE_AXES: world}
+        try:
+            # Every axis of the backend is in a global mesh, so this creates every
+            # group; other sub-meshes are views created (and cached) on request.
+            for axes in self._table.global_meshes.values():
+                self._mesh(axes)
+        except BaseException:
+            self._world_mesh, self._meshes = None, {}
+            raise
+        return world
+
+    def _mesh(self, axes: tuple[str, ...]) -> DeviceMesh:
+        """The cached mesh over ``axes`` (in mesh order), created and checked on first use."""
+        mesh = self._meshes.get(axes)
+        if mesh is None:
+            world = self.build_mesh()
+            mesh = self._new_mesh(axes, world._rank_map, root=world)
+            self._check_mesh(axes, mesh)
+            self._meshes[axes] = mesh
+            if len(axes) == 1 and axes[0] not in _BASE_AXES:
+                # Lets DTensor find a flattened group for a multi-axis collective, and
+                # makes torch's own ``_flatten`` of the same ranks reuse this mesh.
+                world._flatten_mapping.setdefault(axes[0], mesh)
+        return mesh
+
+    def _new_mesh(
+        self, axes: tuple[str, ...], rank_map: torch.Tensor, root: DeviceMesh | None
+    ) -> DeviceMesh:
+        """A mesh over ``axes``, a view of ``root``'s ranks, using the pooled groups."""
+        mesh = DeviceMesh(
+            str(self.device_type),
+            _layout=_MeshLayout([self._axis_layout(a) for a in axes]),
+            _rank_map=rank_map,
+            mesh_dim_names=axes,
+            _root_mesh=root,
+            _init_backend=False,
+        )
+        if root is None:
+            # As init_device_mesh does before creating groups: select the current
+            # CUDA device (from LOCAL_RANK) so NCCL communicators bind to it.
+            setup = getattr(mesh, "_setup_world_group_and_device", None)
+            if setup is not None:
+                setup()
+        else:
+            # Same ranks as the root: share its copy of the rank tuple (DeviceMesh
+            # keeps one per mesh; ~36 MB each at a million ranks).
+            mesh._flatten_rank_map = root._flatten_rank_map
+        mesh._dim_group_names = [self._group_name(a, rank_map) for a in axes]
+        registry = (root or mesh)._pg_registry
+        for name in mesh._dim_group_names:
+            registry.setdefault(name, dist.distributed_c10d._resolve_process_group(name))
+        return mesh
+
+    def _group_name(self, axis: str, rank_map: torch.Tensor) -> str:
+        """The group of ``axis`` for this rank, created once per (ranks, real/fake)."""
+        layout = self._axis_layout(axis)
+        backend = None if self.is_axis_active(axis) else "fake"
+        key = (layout, backend)
+        if key not in self._groups:
+            if backend == "fake":
+                _ensure_fake_backend_registered()
+            # torch's own per-axis creation (new_group per subgroup, or split_group
+            # when the default group has a bound device), done once per rank set.
+            name = DeviceMesh._init_one_process_group(layout, rank_map, axis, (backend, None))
+            if name is None:
+                raise RuntimeError(
+                    f"ParallelDims: rank {dist.get_rank()} is in no {axis!r} process group."
+                )
+            self._groups[key] = name
+        return self._groups[key]
+
+    def _check_mesh(self, axes: tuple[str, ...], mesh: DeviceMesh) -> None:
+        expected = tuple(self.axis_size(a) for a in axes)
+        groups = tuple(mesh.get_group(i).size() for i in range(len(axes)))
+        if mesh.mesh_dim_names != axes or mesh.shape != expected or groups != expected:
+            raise RuntimeError(
+                f"ParallelDims: the {axes} mesh came out with axes {mesh.mesh_dim_names}, "
+                f"shape {mesh.shape} and group sizes {groups}; expected shape {expected} "
+                f"for {self!r}."
+            )
+
+    # ---------------------------------------------------------------- getters
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """The 5-axis ``(pp, dp_replicate, dp_shard, cp, tp)`` root mesh (built on first use).
+
+        Every other mesh is a view of it. Its flattened axes (``batch``, ``loss``,
+        ``fsdp``, ``efsdp``, ``ep``, ...) are registered as torch flattened meshes.
+        """
+        return self.build_mesh()
+
+    @property
+    def global_meshes(self) -> dict[str, DeviceMesh]:
+        """This backend's global meshes by name (e.g. ``dense``, ``sparse``, ``data``, ``loss``)."""
+        self.build_mesh()
+        return {name: self._meshes[axes] for name, axes in self._table.global_meshes.items()}
+
+    def get_optional_mesh(
+        self,
+        dims: str | Sequence[str],
+        *,
+        include_singleton_axes: bool = False,
+    ) -> DeviceMesh | None:
+        """The mesh over axis ``dims`` (a name or a sequence of names), or None.
+
+        Returns None when a requested axis is inactive (see :meth:`is_axis_active`)
+        unless ``include_singleton_axes``. A multi-axis mesh is sliced from the first
+        global mesh that contains every requested axis, with the axes in that
+        mesh's order (whatever the order requested). Results are cached: the same
+        request returns the same object.
+
+        Raises:
+            ValueError: an unknown axis name (the message lists this backend's
+                names), a repeated axis, or axes that no global mesh combines.
+        """
+        names = self._names(dims)
+        if len(names) > 1:
+            for axes in self._table.global_meshes.values():
+                if set(names) <= set(axes):
+                    names = tuple(a for a in axes if a in names)
+                    break
+            else:
+                raise ValueError(
+                    f"ParallelDims: no mesh of spmd_backend={self.spmd_backend!r} combines "
+                    f"{names}; its global meshes are "
+                    + ", ".join(f"{k}={v}" for k, v in self._table.global_meshes.items())
+                    + "."
+                )
+        if not include_singleton_axes and not all(self.is_axis_active(n) for n in names):
+            return None
+        return self._mesh(names)
+
+    def get_mesh(self, dims: str | Sequence[str]) -> DeviceMesh:
+        """Like :meth:`get_optional_mesh`, but raise ``ValueError`` when the mesh is unavailable."""
+        mesh = self.get_optional_mesh(dims)
+        if mesh is None:
+            inactive = [
+                f"{n} (size {self.axis_size(n)})"
+                for n in self._names(dims)
+                if not self.is_axis_active(n)
+            ]
+            raise ValueError(
+                f"ParallelDims: mesh {dims!r} is not available under "
+                f"spmd_backend={self.spmd_backend!r}: inactive axes {', '.join(inactive)}. "
+                "An axis is active when it has a real process group, i.e. mostly when its "
+                "size is > 1 (see is_axis_active; get_optional_mesh returns None instead)."
+            )
+        return mesh
+
+    def get_activated_mesh(self, axes: str | Sequence[str]) -> DeviceMesh | None:
+        """The mesh over the active ones of ``axes``; None if none is active."""
+        names = [n for n in self._names(axes) if self.is_axis_active(n)]
+        return self.get_optional_mesh(names) if names else None
+
+    def resolve_mesh(self, axes: str | Sequence[str]) -> DeviceMesh | None:
+        """The mesh a tensor placed on logical ``axes`` lives on under this backend.
+
+        - default: keeps ``tp`` and ``ep`` (FSDP handles the data-parallel axes);
+        - full_dtensor: keeps every axis, with ``dp`` unfolded into ``dp_replicate,
+          dp_shard``; the result must be one of :meth:`spmd_meshes`, so a tensor
+          that leaves out an active axis of its mesh raises ``ValueError``;
+        - spmd_types: keeps ``dp``, ``cp``, ``tp`` and ``ep``.
+
+        Inactive axes are dropped; returns None if nothing is left.
+        """
+        names = [str(a) for a in ((axes,) if isinstance(axes, str) else axes)]
+        table = self._table
+        if table.unfold_dp:
+            names = unfold_dp_axes(names)
+        known = sorted({*(m.value for m in MeshAxisName), *self.mesh_axis_names})
+        for name in names:
+            if name not in known:
+                raise ValueError(
+                    f"ParallelDims.resolve_mesh: unknown axis {name!r}; valid names are "
+                    f"{', '.join(map(repr, known))}.{_suggest(name, known)}"
+                )
+        if table.in_band is not None:
+            names = [n for n in names if n in table.in_band]
+        if not names:
+            return None
+        mesh = self.get_activated_mesh(names)
+        if mesh is not None and table.resolve_to_spmd_mesh_only:
+            spmd = self.spmd_meshes()
+            if not any(mesh is m for m in spmd):
+                raise ValueError(
+                    f"ParallelDims.resolve_mesh({list(map(str, axes))}) resolved to axes "
+                    f"{mesh.mesh_dim_names}, which is not one of the SPMD meshes of "
+                    f"spmd_backend={self.spmd_backend!r}: "
+                    f"{[m.mesh_dim_names for m in spmd]}. Name every active axis of the "
+                    "tensor's mesh (use R for replicated axes)."
+                )
+        return mesh
+
+    def spmd_meshes(self) -> list[DeviceMesh]:
+        """The meshes that this backend's tensors live on, restricted to active axes.
+
+        - default: the 1-D ``tp`` mesh and the 1-D ``ep`` mesh (DTensors exist only
+          on those; FSDP's data-parallel sharding is not part of the SPMD program);
+        - full_dtensor: the dense mesh ``(dp_replicate, dp_shard, cp, tp)`` and the
+          sparse mesh ``(dp_replicate, efsdp, ep)``;
+        - spmd_types: the forward/backward mesh ``(dp, cp, tp)`` and the 1-D ``ep``
+          mesh (the in-band axes of ``resolve_mesh`` cannot name ``efsdp``).
+
+        ``pp`` is never part of them: each pipeline stage holds different modules,
+        so a rank's tensors live on its own stage's slice and no collective spans
+        stages. Inactive axes are dropped, and a mesh with no active axis is left
+        out, so these are exactly what :meth:`resolve_mesh` returns for a tensor
+        that names every axis. Identity holds: ``resolve_mesh(...) in spmd_meshes()``.
+        """
+        out: list[DeviceMesh] = []
+        for axes in self._table.spmd_meshes:
+            mesh = self.get_activated_mesh(axes)
+            if mesh is not None and not any(mesh is m for m in out):
+                out.append(mesh)
+        return out
+
+    def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
+        """The 1-D meshes of the axes with a real process group and size > 1.
+
+        Fake-backed axes (e.g. ``efsdp`` when ``ep == 1``) are left out: their
+        groups cannot carry collectives.
+        """
+        self.build_mesh()
+        return {
+            name: self._mesh((name,))
+            for name in self.mesh_axis_names
+            if self.is_axis_active(name) and self.axis_size(name) > 1
+        }
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def dp_enabled(self) -> bool:
+        """Data parallelism of either kind (``dp_replicate > 1`` or ``dp_shard > 1``)."""
+        return self.dp_replicate > 1 or self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """``dp_replicate > 1``."""
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        """``dp_shard > 1``."""
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        """``cp > 1``."""
+        return self.cp > 1
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        """Data or context parallelism: the loss is reduced over more than one rank."""
+        return self.dp_enabled or self.cp_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded over ``dp_shard * cp`` ranks (``> 1``)."""
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """``tp > 1``."""
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """``pp > 1``."""
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        """``ep > 1``."""
+        return self.ep > 1
+
+    @property
+    def fsdp_gradient_divide_factor(self) -> int:
+        """The data-parallel degree gradients are averaged over, experts included."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """``cp * tp * pp``: ranks that see the same batch shard."""
+        return self.cp * self.tp * self.pp
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """``tp * cp * 2``: sequence parallelism splits by tp, load-balanced CP by 2 * cp."""
+        return self.tp * self.cp * 2
