@@ -1,0 +1,433 @@
+"""Layer 4 setup: parameters, annotations, plan validation, FSDP meshes and setup errors.
+
+Single process on torch's fake process group (no real communication): enough for
+shapes, annotations, plan validation and type checking, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import spmd_types as st
+import torch
+import torch.distributed as dist
+from spmd_helpers import in_child
+from spmd_types import I, P, R, S, V
+from torch import nn
+
+from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.distributed import spmd_types as sb
+from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed.layout import SpmdLayout
+from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
+from torchtitan_spmd.models import build_model
+from torchtitan_spmd.models.llama_plan import llama_plan
+
+pytestmark = pytest.mark.backend("spmd_types")
+
+
+def _clear_dtensor_caches() -> None:
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        # The C++ dispatch fast path keeps its own cache (it returns the first of two
+        # equal meshes, and FSDP then sees "different mesh objects").
+        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:
+            clear_native()
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Callable[[int], None]]:
+    """``fake_world(n)``: a fake process group of ``n`` ranks (this process is rank 0)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+    assert not dist.is_initialized(), "a previous test leaked a process group"
+
+    def init(world_size: int) -> None:
+        dist.init_process_group("fake", rank=0, world_size=world_size)
+
+    try:
+        yield init
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _cfg(**parallelism: Any) -> JobConfig:
+    return JobConfig.from_dict(
+        {
+            "model": {"flavor": "tiny"},
+            "training": {"steps": 1, "local_batch_size": 2, "seq_len": 16, "device": "cpu"},
+            "parallelism": {"spmd_backend": "spmd_types", **parallelism},
+        }
+    )
+
+
+def _dims(world: int, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1) -> ParallelDims:
+    pd = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
+                      world_size=world, spmd_backend="spmd_types", device_type="cpu")
+    pd.build_mesh()
+    return pd
+
+
+def _axis(pd: ParallelDims, name: str) -> Any:
+    return st.MeshAxis.of(sb.spmd_forward_mesh(pd).get_group(name))
+
+
+# --------------------------------------------------------------------------- registry
+def test_backend_is_registered_and_imports_the_library() -> None:
+    backend = get_backend("spmd_types")
+    assert backend is sb.BACKEND and backend.name == "spmd_types"
+    assert sb.st.__name__ == "spmd_types"  # the library, not this module
+
+
+# --------------------------------------------------------------------------- setup errors
+@pytest.mark.parametrize(
+    ("degrees", "needles"),
+    [
+        ({"context_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["context parallel", "context_parallel_degree=1"]),
+        ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
+        ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
+    ],
+)
+def test_unsupported_combinations_fail_at_setup(fake_world: Callable[[int], None], degrees: dict,
+                                                needles: list[str]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_world(4)
+    with pytest.raises(ValueError) as err:
+        Trainer(_cfg(**degrees))
+    msg = str(err.value)
+    assert "spmd_backend='spmd_types'" in msg
+    for needle in needles:
+        assert needle in msg
+
+
+def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int], None],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    monkeypatch.setattr(sb, "torch_version", lambda: (2, 13))
+    fake_world(4)
+    with pytest.raises(ValueError) as err:
+        Trainer(_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    msg = str(err.value)
+    assert "torch >= 2.14" in msg and "torch 2.13" in msg and "dp_shard=2" in msg, msg
+
+
+def test_old_torch_without_data_parallel_is_fine(fake_world: Callable[[int], None],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sb, "torch_version", lambda: (2, 13))
+    fake_world(2)
+    pd = _dims(2, tp=2)
+    sb.BACKEND.validate_config(_cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2), pd)
+
+
+def test_real_torch_version_is_parsed() -> None:
+    major, minor = sb.torch_version()
+    assert f"{major}.{minor}" in torch.__version__
+
+
+def test_typechecking_with_pipeline_parallel_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
+        JobConfig.from_dict({"parallelism": {"spmd_backend": "spmd_types", "pipeline_parallel_degree": 2},
+                             "debug": {"spmd_typechecking": True}})
+    with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
+        ConfigManager().parse_args(["--parallelism.spmd_backend", "spmd_types",
+                                    "--parallelism.pipeline_parallel_degree", "2",
+                                    "--debug.spmd_typechecking"])
+
+
+# --------------------------------------------------------------------------- parameters
+def test_parameters_are_typed_local_shards_and_keep_requires_grad(fake_world: Callable[[int], None]) -> None:
+    fake_world(2)
+    pd = _dims(2, tp=2)
+    model = build_model("tiny", seed=0)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.tok_embeddings.weight.requires_grad_(False)  # frozen: must stay frozen
+    model.layers["0"].attention_norm.weight.requires_grad_(False)
+    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(tensor_parallel_degree=2))
+    tp = _axis(pd, "tp")
+    params = dict(model.named_parameters())
+    assert not params["tok_embeddings.weight"].requires_grad
+    assert not params["layers.0.attention_norm.weight"].requires_grad
+    assert all(p.requires_grad for n, p in params.items()
+               if n not in ("tok_embeddings.weight", "layers.0.attention_norm.weight"))
+    for name, p in params.items():
+        assert type(p) is nn.Parameter, name  # plain local shards, not DTensors
+        assert tp in st.get_local_type(p), name
+    # colwise S(0), rowwise S(1), vocab-parallel output S(0); the rest replicated.
+    wq = params["layers.0.attention.wq.weight"]
+    torch.testing.assert_close(wq, full["layers.0.attention.wq.weight"].chunk(2, 0)[0])
+    assert st.get_local_type(wq)[tp] is V and st.get_partition_spec(wq)[0] == tp
+    wo = params["layers.0.attention.wo.weight"]
+    torch.testing.assert_close(wo, full["layers.0.attention.wo.weight"].chunk(2, 1)[0])
+    assert st.get_partition_spec(wo)[1] == tp
+    assert params["output.weight"].shape[0] == full["output.weight"].shape[0] // 2
+    assert st.get_local_type(params["norm.weight"])[tp] is R
+    assert st.get_local_type(model.rope_cos)[tp] is R
+
+
+def test_frozen_parameter_stays_frozen_under_fsdp(fake_world: Callable[[int], None]) -> None:
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    model = build_model("tiny", seed=0)
+    model.layers["1"].feed_forward.w1.weight.requires_grad_(False)
+    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["layers.1.feed_forward.w1.weight"]
+
+
+def test_uneven_shards_follow_dtensor_chunking(fake_world: Callable[[int], None]) -> None:
+    fake_world(4)
+    pd = _dims(4, tp=4)
+    mesh = sb.spmd_forward_mesh(pd)
+    full = torch.arange(6.0)
+    local = sb.spmd_distribute_tensor(full, mesh, SpmdLayout({"tp": S(0)}))
+    assert local.tolist() == [0.0, 1.0]  # chunk 0 of [2, 2, 2] (torch.chunk of 6 into 4)
+    # Two axes on one dim, in partition-spec order (dp outer, tp inner) on a 2x2 mesh.
+    dist.destroy_process_group()
+    _clear_dtensor_caches()
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    layout = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
+    local = sb.spmd_distribute_tensor(torch.arange(8.0), sb.spmd_forward_mesh(pd), layout)
+    assert local.tolist() == [0.0, 1.0]
+    spec = st.get_partition_spec(local)
+    assert spec[0] == (_axis(pd, "dp"), _axis(pd, "tp"))
+
+
+def _typed_train_step(model: nn.Module, pd: ParallelDims, *, seq: int = 16) -> torch.Tensor:
+    tokens = torch.randint(0, 320, (2, seq))
+    labels = torch.randint(0, 320, (2, seq))
+    tokens, labels = sb.BACKEND.prepare_inputs(tokens, labels, pd)
+    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
+        loss = sb.BACKEND.compute_loss(model(tokens), labels)
+        loss.backward()
+    return loss
+
+
+def _child_world(world: int) -> None:
+    """In a forked child: a fresh fake process group (the parent has none)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world)
+
+
+def _annotations_survive() -> None:
+    _child_world(2)
+    pd = _dims(2, tp=2)
+    model = build_model("tiny", seed=0)
+    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(tensor_parallel_degree=2))
+    before = {n: (st.get_local_type(p), st.get_partition_spec(p)) for n, p in model.named_parameters()}
+
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # re-initialisation, in place
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.02)
+    # Parameters are the same objects (to_empty swaps .data): their types survive.
+    after = {n: (st.get_local_type(p), st.get_partition_spec(p)) for n, p in model.named_parameters()}
+    assert after == before
+    # Buffers are new tensors; a re-init may replace them again (like init_weights does).
+    model.rope_sin = torch.zeros_like(model.rope_sin)
+    assert not st.has_local_type(model.rope_cos) and not st.has_local_type(model.rope_sin)
+    assert sb.annotate_module_states(model) == 2
+    assert st.get_local_type(model.rope_cos)[_axis(pd, "tp")] is R
+
+    # And they are restored by themselves before a type-checked forward.
+    model.rope_cos = torch.zeros_like(model.rope_cos)
+    loss = _typed_train_step(model, pd)
+    assert st.has_local_type(model.rope_cos)
+    assert set(st.get_local_type(loss).values()) == {I}
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _typed_step_fsdp_tp() -> None:
+    _child_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    model = build_model("tiny", seed=0)
+    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    loss = _typed_train_step(model, pd)
+    assert set(st.get_local_type(loss).values()) == {I}
+
+
+def _typed_step_no_sp_no_loss_parallel() -> None:
+    _child_world(2)
+    pd = _dims(2, tp=2)
+    model = build_model("tiny", seed=0)
+    cfg = _cfg(tensor_parallel_degree=2, enable_sequence_parallel=False, disable_loss_parallel=True)
+    sb.BACKEND.parallelize(model, pd, llama_plan(sequence_parallel=False), cfg)
+    tokens, labels = sb.BACKEND.prepare_inputs(torch.randint(0, 320, (2, 16)), torch.randint(0, 320, (2, 16)), pd)
+    with sb.BACKEND.train_context(enable_loss_parallel=False, parallel_dims=pd, spmd_typechecking=True):
+        logits = model(tokens)
+        assert logits.shape[-1] == 320  # gathered (I@tp) for a plain cross-entropy
+        loss = sb.BACKEND.compute_loss(logits, labels)
+        loss.backward()
+    assert set(st.get_local_type(loss).values()) == {I}
+
+
+def _replicated_loss_is_rejected() -> None:
+    _child_world(2)
+    pd = _dims(2, tp=2)
+    tp = sb.spmd_forward_mesh(pd).get_group("tp")
+    x = torch.ones(3, requires_grad=True)
+    st.assert_type(x, {tp: R})
+    y = torch.ones(3, requires_grad=True)
+    st.assert_type(y, {tp: S(0)})
+    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
+        loss = (x * 2).sum()
+        with pytest.raises(st.SpmdTypeError, match="only an invariant"):
+            loss.backward()
+        # A loss reduced to I is fine, and the backward itself runs unchecked.
+        st.all_reduce((y * 2).sum(), tp, src=P, dst=I).backward()
+    assert y.grad is not None
+
+
+# Type-checked backward passes run in forked children (see spmd_helpers.in_child).
+def test_annotations_survive_to_empty_and_reinit() -> None:
+    in_child(_annotations_survive)
+
+
+def test_typed_step_with_fsdp_and_tp() -> None:
+    """The whole plan, FSDP included, passes the checker (fake collectives: types only)."""
+    in_child(_typed_step_fsdp_tp)
+
+
+def test_typed_step_without_sequence_or_loss_parallel() -> None:
+    in_child(_typed_step_no_sp_no_loss_parallel)
+
+
+def test_backward_of_a_replicated_loss_is_rejected() -> None:
+    in_child(_replicated_loss_is_rejected)
+
+
+# --------------------------------------------------------------------------- plan validation
+def test_llama_plans_validate() -> None:
+    for sp in (True, False):
+        sb.spmd_validate_redistributions(llama_plan(sequence_parallel=sp))
+
+
+def test_shard_order_change_is_rejected_at_setup() -> None:
+    a = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
+    b = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("tp", "dp"),))
+    plan = ShardingPlan(modules={"block": ModulePlan(inputs=(Redistribute(a, b),))}, mesh_axes=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"plan 'block' input #0: .*shard order of tensor dim 0 \(the axes of tensor dim 0 would end in the wrong order"):
+        sb.spmd_validate_redistributions(plan)
+    # Moving a non-innermost axis also needs more than its own collective.
+    c = SpmdLayout({"tp": S(0), "dp": S(1)})
+    plan = ShardingPlan(modules={"block": ModulePlan(output=Redistribute(a, c))}, mesh_axes=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"plan 'block' output: .*axis 'dp' must move but is not the innermost axis of tensor dim 0"):
+        sb.spmd_validate_redistributions(plan)
+    # The same change is fine when one of the axes is size 1 on this mesh.
+    sb.spmd_validate_redistributions(plan, mesh_axes=["dp"])
+
+
+def test_rejected_plan_fails_parallelize(fake_world: Callable[[int], None]) -> None:
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    a = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
+    b = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("tp", "dp"),))
+    bad = ShardingPlan(modules={"norm": ModulePlan(inputs=(Redistribute(a, b),))})
+    with pytest.raises(ValueError, match="shard order"):
+        sb.apply_spmd_plan(build_model("tiny", seed=0), bad, sb.spmd_forward_mesh(pd))
+
+
+def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    mesh = sb.spmd_forward_mesh(pd)
+    calls: list[tuple[str, Any, Any]] = []
+
+    def fake_redistribute(x: torch.Tensor, group: Any, *, src: Any, dst: Any) -> torch.Tensor:
+        name = next(n for n in ("dp", "tp") if mesh.get_group(n) is group)
+        calls.append((name, src, dst))
+        return x
+
+    monkeypatch.setattr(sb.st, "redistribute", fake_redistribute)
+    x = torch.zeros(4, 4)
+
+    def run(src: Any, dst: Any) -> list[tuple[str, Any, Any]]:
+        calls.clear()
+        sb.spmd_redistribute_per_axis(x, mesh, src, dst)
+        return list(calls)
+
+    assert run({"tp": P}, {"tp": S(1)}) == [("tp", P, S(1))]  # reduce_scatter
+    assert run({"tp": S(1)}, {"tp": R}) == [("tp", S(1), R)]  # all_gather
+    assert run({"tp": R}, {"tp": S(1)}) == [("tp", R, S(1))]  # convert (local slice)
+    assert run({"tp": P}, {"tp": R}) == [("tp", P, R)]  # all_reduce
+    assert run({"tp": I}, {"tp": R}) == [("tp", I, R)]  # convert
+    assert run({"tp": S(1)}, {"tp": S(1)}) == []
+    # Two axes on one dim: unshard innermost (tp) first, then dp.
+    both = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
+    assert run(both, SpmdLayout()) == [("tp", S(0), R), ("dp", S(0), R)]
+    assert run(SpmdLayout(), both) == [("dp", R, S(0)), ("tp", R, S(0))]
+    assert sb.spmd_redistribute_per_axis(x, None, {"tp": P}, {"tp": R}) is x
+
+
+# --------------------------------------------------------------------------- FSDP meshes
+@pytest.mark.parametrize(
+    ("world", "degrees", "axes", "shard", "replicate"),
+    [
+        (1, {}, ("dp_shard",), None, None),
+        (4, {"dp_shard": 4}, ("dp_shard",), "dp_shard", None),
+        (4, {"dp_shard": 2, "tp": 2}, ("dp_shard", "tp"), "dp_shard", None),
+        (4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate", "dp_shard"), "dp_shard", "dp_replicate"),
+        (4, {"dp_replicate": 2, "tp": 2}, ("dp_replicate", "tp"), None, "dp_replicate"),
+        (2, {"tp": 2}, ("tp",), None, None),
+    ],
+)
+def test_fsdp_storage_mesh_holds_only_active_axes(fake_world: Callable[[int], None], world: int,
+                                                  degrees: dict, axes: tuple, shard: Any, replicate: Any) -> None:
+    fake_world(world)
+    mesh, dims = sb.resolve_fsdp_mesh(_dims(world, **degrees))
+    assert mesh.mesh_dim_names == axes
+    if shard is None and replicate is None:
+        assert dims is None  # a 1-rank (or DP-free) storage mesh: no mesh dims
+    else:
+        assert (dims.shard, dims.replicate) == (shard, replicate)
+
+
+# --------------------------------------------------------------------------- runtime helpers
+def test_current_mesh_stack_and_train_context(fake_world: Callable[[int], None]) -> None:
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    mesh = sb.spmd_forward_mesh(pd)
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    assert sb.current_spmd_mesh() is None and sb.spmd_mesh_size("tp") == 1
+    with sb.set_current_spmd_mesh(mesh):
+        assert sb.current_spmd_mesh() is mesh and st.current_mesh() is not None
+        assert sb.spmd_mesh_size("tp") == 2 and sb.spmd_mesh_size("cp") == 1
+        with sb.set_current_spmd_mesh(None):
+            assert sb.current_spmd_mesh() is None
+        assert sb.current_spmd_mesh() is mesh
+    assert sb.current_spmd_mesh() is None and st.current_mesh() is None
+    assert torch.autograd.is_multithreading_enabled()
+    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
+        assert sb.current_spmd_mesh() is mesh
+        assert not torch.autograd.is_multithreading_enabled()
+        assert st.is_type_checking()
+    assert torch.autograd.is_multithreading_enabled() and not st.is_type_checking()
+    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=False):
+        assert not st.is_type_checking()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "groups"),
+    [
+        ((2, 32, 32), (2, 32, 2, 16), [([0], [0]), ([1], [1]), ([2], [2, 3])]),
+        ((2, 32, 16), (2, 32, 1, 16), [([0], [0]), ([1], [1]), ([2], [2, 3])]),
+        ((2, 32, 1, 2, 16), (2, 32, 2, 16), [([0], [0]), ([1], [1]), ([2, 3], [2]), ([4], [3])]),
+        ((6,), (4,), None),
+    ],
+)
+def test_view_groups(src: tuple, dst: tuple, groups: Any) -> None:
+    assert sb._view_groups(src, dst) == groups
