@@ -118,4 +118,30 @@ def describe_unsupported(backend: str, what: str, alternative: str) -> str:
     return f"spmd_backend={backend!r} does not support {what}; {alternative}"
 
 
+def reject_unimplemented_parallelism(
+    backend: str,
+    parallel_dims: ParallelDims,
+    *,
+    cp_what: str = "context parallelism in this runtime",
+) -> None:
+    """Raise ValueError for CP, PP or EP, which no runtime of this library implements yet.
+
+    ``ParallelDims`` builds their meshes (layer 2); the trainer cannot use them.
+    """
+    if parallel_dims.cp_enabled:
+        raise ValueError(describe_unsupported(
+            backend, cp_what,
+            "set parallelism.context_parallel_degree=1 (CP needs ring attention, not implemented).",
+        ))
+    if parallel_dims.pp_enabled:
+        raise ValueError(describe_unsupported(
+            backend, "pipeline parallelism in this runtime", "set parallelism.pipeline_parallel_degree=1."
+        ))
+    if parallel_dims.ep_enabled:
+        raise ValueError(describe_unsupported(
+            backend, "expert parallelism for the dense Llama model",
+            "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).",
+        ))
+
+
 ContextFactory = Callable[[], AbstractContextManager[None]]

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._dtensor_common import dtensor_clip_grad_norm_, maybe_loss_parallel, set_module_tensor
-from .backends import SpmdBackendRuntime, describe_unsupported
+from .backends import SpmdBackendRuntime, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, ShardingPlan, boundary_dst, boundary_src
 
@@ -108,23 +108,7 @@ class DefaultBackend(SpmdBackendRuntime):
     name: ClassVar[str] = "default"
 
     def validate_config(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        if parallel_dims.cp_enabled:
-            raise ValueError(
-                describe_unsupported(
-                    self.name, "context parallelism in this runtime",
-                    "set parallelism.context_parallel_degree=1 (CP needs ring attention, not implemented).",
-                )
-            )
-        if parallel_dims.pp_enabled:
-            raise ValueError(
-                describe_unsupported(self.name, "pipeline parallelism in this runtime",
-                                     "set parallelism.pipeline_parallel_degree=1.")
-            )
-        if parallel_dims.ep_enabled:
-            raise ValueError(
-                describe_unsupported(self.name, "expert parallelism for the dense Llama model",
-                                     "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).")
-            )
+        reject_unimplemented_parallelism(self.name, parallel_dims)
 
     def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, plan: ShardingPlan,
                     job_config: JobConfig) -> nn.Module:

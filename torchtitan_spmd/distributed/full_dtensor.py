@@ -31,7 +31,7 @@ from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ._dtensor_common import dtensor_clip_grad_norm_, maybe_loss_parallel, set_module_tensor
-from .backends import SpmdBackendRuntime, describe_unsupported
+from .backends import SpmdBackendRuntime, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, ShardingPlan, boundary_dst, boundary_src
 
@@ -68,23 +68,9 @@ def spmd_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 
 def validate_config(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Reject what ``full_dtensor`` cannot run, naming the alternative."""
-    if parallel_dims.cp_enabled:
-        raise ValueError(
-            describe_unsupported(
-                "full_dtensor", "context parallelism under SDPA attention",
-                "set parallelism.context_parallel_degree=1.",
-            )
-        )
-    if parallel_dims.pp_enabled:
-        raise ValueError(
-            describe_unsupported("full_dtensor", "pipeline parallelism in this runtime",
-                                 "set parallelism.pipeline_parallel_degree=1.")
-        )
-    if parallel_dims.ep_enabled:
-        raise ValueError(
-            describe_unsupported("full_dtensor", "expert parallelism for the dense Llama model",
-                                 "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).")
-        )
+    reject_unimplemented_parallelism(
+        "full_dtensor", parallel_dims, cp_what="context parallelism under SDPA attention"
+    )
 
 
 def resolve_fsdp_mesh(parallel_dims: ParallelDims) -> tuple[DeviceMesh, DataParallelMeshDims] | None:

@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from .backends import SpmdBackendRuntime, describe_unsupported
+from .backends import SpmdBackendRuntime, describe_unsupported, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
 
@@ -1054,23 +1054,7 @@ class SpmdTypesBackend(SpmdBackendRuntime):
     name: ClassVar[str] = "spmd_types"
 
     def validate_config(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        if parallel_dims.cp_enabled:
-            raise ValueError(
-                describe_unsupported(
-                    self.name, "context parallelism in this runtime",
-                    "set parallelism.context_parallel_degree=1 (CP needs ring attention, not implemented).",
-                )
-            )
-        if parallel_dims.pp_enabled:
-            raise ValueError(
-                describe_unsupported(self.name, "pipeline parallelism in this runtime",
-                                     "set parallelism.pipeline_parallel_degree=1.")
-            )
-        if parallel_dims.ep_enabled:
-            raise ValueError(
-                describe_unsupported(self.name, "expert parallelism for the dense Llama model",
-                                     "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).")
-            )
+        reject_unimplemented_parallelism(self.name, parallel_dims)
         _check_fsdp_support(parallel_dims)
 
     def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, plan: ShardingPlan,
