@@ -77,36 +77,37 @@ def _warn(old: str, new: str) -> None:
 # --------------------------------------------------------------------------------------
 # Channels 2 and 3: reading and assigning ``cfg.full_dtensor``.
 # --------------------------------------------------------------------------------------
+def read_legacy_attribute(owner: str, obj: Any) -> bool:
+    """Channel 2 for any owner: warn, then return ``obj.spmd_backend == "full_dtensor"``."""
+    _warn(f"Reading {owner}.full_dtensor", f'{owner}.spmd_backend == "full_dtensor"')
+    return bool(obj.spmd_backend == "full_dtensor")
+
+
+def write_legacy_attribute(owner: str, obj: Any, value: bool) -> None:
+    """Channel 3 for any owner: warn, then set ``obj.spmd_backend`` from a legacy bool."""
+    value = _check_bool(f"{owner}.full_dtensor", value)
+    _warn(f"Assigning {owner}.full_dtensor", f"{owner}.spmd_backend = {backend_for(value)!r}")
+    obj.spmd_backend = backend_for(value)
+
+
 class LegacyParallelismMixin:
-    """Adds the deprecated ``full_dtensor`` attribute to ``ParallelismConfig``."""
+    """Adds the deprecated ``full_dtensor`` attribute to ``ParallelismConfig``.
+
+    Written out (not generated) so type checkers see ``typing_extensions.deprecated``.
+    """
 
     spmd_backend: str
 
     @property
-    @deprecated(
-        "parallelism.full_dtensor is deprecated; use parallelism.spmd_backend",
-        category=None,
-    )
+    @deprecated("parallelism.full_dtensor is deprecated; use parallelism.spmd_backend", category=None)
     def full_dtensor(self) -> bool:
         """Deprecated: ``True`` when ``spmd_backend == "full_dtensor"``."""
-        _warn(
-            "Reading ParallelismConfig.full_dtensor",
-            'ParallelismConfig.spmd_backend == "full_dtensor"',
-        )
-        return self.spmd_backend == "full_dtensor"
+        return read_legacy_attribute("ParallelismConfig", self)
 
     @full_dtensor.setter
-    @deprecated(
-        "parallelism.full_dtensor is deprecated; use parallelism.spmd_backend",
-        category=None,
-    )
+    @deprecated("parallelism.full_dtensor is deprecated; use parallelism.spmd_backend", category=None)
     def full_dtensor(self, value: bool) -> None:
-        value = _check_bool("parallelism.full_dtensor", value)
-        _warn(
-            "Assigning ParallelismConfig.full_dtensor",
-            f"ParallelismConfig.spmd_backend = {backend_for(value)!r}",
-        )
-        self.spmd_backend = backend_for(value)
+        write_legacy_attribute("ParallelismConfig", self, value)
 
 
 # --------------------------------------------------------------------------------------

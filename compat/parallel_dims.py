@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from typing_extensions import deprecated
 
-from .legacy import _check_bool, _warn, accept_legacy_backend_kwarg, backend_for
+from .legacy import accept_legacy_backend_kwarg, read_legacy_attribute, write_legacy_attribute
 
 __all__ = ["LegacyParallelDimsMixin", "legacy_parallel_dims"]
 
@@ -32,18 +32,12 @@ class LegacyParallelDimsMixin:
     @deprecated("ParallelDims.full_dtensor is deprecated; use ParallelDims.spmd_backend", category=None)
     def full_dtensor(self) -> bool:
         """Deprecated: ``True`` when ``spmd_backend == "full_dtensor"``."""
-        _warn("Reading ParallelDims.full_dtensor", 'ParallelDims.spmd_backend == "full_dtensor"')
-        return self.spmd_backend == "full_dtensor"
+        return read_legacy_attribute("ParallelDims", self)
 
     @full_dtensor.setter
     @deprecated("ParallelDims.full_dtensor is deprecated; use ParallelDims.spmd_backend", category=None)
     def full_dtensor(self, value: bool) -> None:
-        value = _check_bool("ParallelDims.full_dtensor", value)
-        _warn(
-            "Assigning ParallelDims.full_dtensor",
-            f"ParallelDims.spmd_backend = {backend_for(value)!r}",
-        )
-        self.spmd_backend = backend_for(value)
+        write_legacy_attribute("ParallelDims", self, value)
 
 
 _C = TypeVar("_C", bound=type)
