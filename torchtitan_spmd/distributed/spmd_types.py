@@ -139,7 +139,8 @@ def set_current_spmd_mesh(mesh: DeviceMesh | None) -> Iterator[None]:
                 yield
     finally:
         popped = stack.pop()
-        assert popped is mesh, "set_current_spmd_mesh contexts exited out of order"
+        if popped is not mesh:
+            raise RuntimeError("set_current_spmd_mesh contexts exited out of order.")
 
 
 def spmd_mesh_size(axis: str) -> int:
