@@ -20,6 +20,7 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig
 from torchtitan_spmd.distributed import spmd_types as sb
+from torchtitan_spmd.distributed._dtensor_common import clear_dtensor_sharding_caches
 from torchtitan_spmd.distributed.backends import get_backend
 from torchtitan_spmd.distributed.layout import SpmdLayout
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
@@ -28,18 +29,6 @@ from torchtitan_spmd.models import build_model
 from torchtitan_spmd.models.llama_plan import llama_plan
 
 pytestmark = pytest.mark.backend("spmd_types")
-
-
-def _clear_dtensor_caches() -> None:
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor import DTensor
-
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-        # The C++ dispatch fast path keeps its own cache (it returns the first of two
-        # equal meshes, and FSDP then sees "different mesh objects").
-        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if clear_native is not None:
-            clear_native()
 
 
 @pytest.fixture
@@ -57,7 +46,8 @@ def fake_world() -> Iterator[Callable[[int], None]]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _clear_dtensor_caches()
+        if "torch.distributed.tensor" in sys.modules:
+            clear_dtensor_sharding_caches()
 
 
 def _cfg(**parallelism: Any) -> JobConfig:
@@ -194,7 +184,7 @@ def test_uneven_shards_follow_dtensor_chunking(fake_world: Callable[[int], None]
     assert local.tolist() == [0.0, 1.0]  # chunk 0 of [2, 2, 2] (torch.chunk of 6 into 4)
     # Two axes on one dim, in partition-spec order (dp outer, tp inner) on a 2x2 mesh.
     dist.destroy_process_group()
-    _clear_dtensor_caches()
+    clear_dtensor_sharding_caches()
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
     layout = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))

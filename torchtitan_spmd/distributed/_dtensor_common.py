@@ -74,3 +74,16 @@ def set_module_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None
     else:
         persistent = name not in module._non_persistent_buffers_set
         module.register_buffer(name, value, persistent=persistent)
+
+
+def clear_dtensor_sharding_caches() -> None:
+    """Forget DTensor's cached sharding propagations (the Python and the C++ cache).
+
+    They key on mesh *equality*: with a second, equal mesh in the process (another
+    trainer, a benchmark, a notebook) they hand back the first mesh object, and
+    ``fully_shard(dp_mesh_dims=...)`` then fails with "different mesh objects".
+    """
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()

@@ -30,7 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ._dtensor_common import dtensor_clip_grad_norm_, maybe_loss_parallel, set_module_tensor
+from ._dtensor_common import (
+    clear_dtensor_sharding_caches,
+    dtensor_clip_grad_norm_,
+    maybe_loss_parallel,
+    set_module_tensor,
+)
 from .backends import SpmdBackendRuntime, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, ShardingPlan, boundary_dst, boundary_src
@@ -186,6 +191,7 @@ class FullDTensorBackend(SpmdBackendRuntime):
         fsdp = resolve_fsdp_mesh(parallel_dims)
         if fsdp is not None:
             storage, dims = fsdp
+            clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
             for unit in [*plan.fsdp_unit_modules(model), model]:
                 fully_shard(unit, mesh=storage, dp_mesh_dims=dims)
                 # The loss is already the global mean: sum, don't average, across DP.

@@ -59,6 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
+from ._dtensor_common import clear_dtensor_sharding_caches
 from .backends import SpmdBackendRuntime, describe_unsupported, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
@@ -682,26 +683,11 @@ def resolve_fsdp_mesh(parallel_dims: ParallelDims) -> tuple[DeviceMesh, Any | No
     )
 
 
-def _clear_dtensor_sharding_caches() -> None:
-    """Forget DTensor's cached sharding propagations (the Python and the C++ cache).
-
-    They key on mesh *equality*: with a second, equal mesh in the process (another
-    trainer, a benchmark, a notebook) they hand back the first mesh object, and
-    ``fully_shard(dp_mesh_dims=...)`` then fails with "different mesh objects".
-    """
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-
-
 def _apply_fsdp(model: nn.Module, plan: ShardingPlan, parallel_dims: ParallelDims) -> None:
     from torch.distributed.fsdp import fully_shard
 
     storage, dims = resolve_fsdp_mesh(parallel_dims)
-    _clear_dtensor_sharding_caches()
+    clear_dtensor_sharding_caches()
     kwargs: dict[str, Any] = {"mesh": storage}
     if dims is not None and storage.size() > 1:
         kwargs["dp_mesh_dims"] = dims
