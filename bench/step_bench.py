@@ -26,8 +26,8 @@ import torch._inductor  # noqa: E402,F401  (imported once in the parent, not per
 
 import torchtitan_spmd.train  # noqa: E402,F401
 from torchtitan_spmd.config import JobConfig  # noqa: E402
-from torchtitan_spmd.distributed.backends import get_backend  # noqa: E402
-from torchtitan_spmd.testing.multiprocess import run_forked  # noqa: E402
+from torchtitan_spmd.distributed.representation import get_representation  # noqa: E402
+from torchtitan_spmd.launcher import run_forked  # noqa: E402
 
 ALL_VARIANTS = ("default", "full_dtensor", "spmd_types", "spmd_types+typecheck")
 
@@ -66,7 +66,7 @@ def available_variants() -> list[str]:
     out = []
     for variant in ALL_VARIANTS:
         try:
-            get_backend(variant.partition("+")[0])
+            get_representation(variant.partition("+")[0])
         except ValueError:
             continue
         out.append(variant)

@@ -168,7 +168,7 @@ def _run_fork(cfg: JobConfig, nproc: int) -> list[tuple[float, float]]:
         import torch._inductor  # noqa: F401  (deterministic mode imports it: once, before forking)
 
     import torchtitan_spmd.train  # noqa: F401
-    from torchtitan_spmd.testing.multiprocess import run_forked
+    from torchtitan_spmd.launcher import run_forked
 
     per_rank = run_forked(_train_rank, nproc, cfg, timeout_s=1800)
     for rank, records in enumerate(per_rank):
@@ -221,7 +221,7 @@ def collect(base: JobConfig, *, nproc: int, backends: Sequence[str] = BACKENDS,
             raise ValueError(f"unknown launcher {launcher!r}; use 'fork' or 'torchrun'.")
     p = base.parallelism
     description = (
-        f"{base.model.flavor}, {nproc} rank(s): dp_replicate={p.data_parallel_replicate_degree} "
+        f"{base.model.name}/{base.model.flavor}, {nproc} rank(s): dp_replicate={p.data_parallel_replicate_degree} "
         f"dp_shard={p.data_parallel_shard_degree} tp={p.tensor_parallel_degree}"
     )
     return ParityResult(runs=runs, nproc=nproc, description=description)

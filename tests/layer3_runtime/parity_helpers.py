@@ -6,7 +6,7 @@ import functools
 from typing import Any
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.testing.multiprocess import run_forked
+from torchtitan_spmd.launcher import run_forked
 
 #: name -> (world size, parallelism overrides)
 PARITY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {

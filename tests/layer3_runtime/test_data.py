@@ -15,7 +15,7 @@ from torchtitan_spmd.data import (
     build_dataloader,
     build_token_stream,
 )
-from torchtitan_spmd.models import FLAVORS, build_model
+from torchtitan_spmd.models.llama3 import FLAVORS, build_model
 
 SMALL = 20_000  # corpus_chars for tests that want wrap-around quickly
 

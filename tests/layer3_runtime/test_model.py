@@ -12,19 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_spmd.models import (
-    FLAVORS,
-    Attention,
+from torchtitan_spmd.models.common import (
     FeedForward,
-    LlamaConfig,
     RMSNorm,
     ScaledDotProductAttention,
+    count_parameters,
+    precompute_rope,
+)
+from torchtitan_spmd.models.llama3 import (
+    FLAVORS,
+    Attention,
+    LlamaConfig,
     Transformer,
     TransformerBlock,
     apply_rotary_emb,
     build_model,
-    count_parameters,
-    precompute_rope,
 )
 
 

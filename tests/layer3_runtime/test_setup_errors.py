@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed import backends
-from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed import representation
 from torchtitan_spmd.distributed.layout import S, SpmdLayout
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
-from torchtitan_spmd.testing.multiprocess import WorkerError, run_forked
+from torchtitan_spmd.distributed.representation import get_representation
+from torchtitan_spmd.launcher import WorkerError, run_forked
 
 
 @pytest.fixture
@@ -96,19 +96,20 @@ def test_mismatched_configs_across_ranks_fail_fast() -> None:
 
 
 def test_unknown_flavor_lists_the_valid_ones() -> None:
-    from torchtitan_spmd.models import build_model
+    from torchtitan_spmd.models.llama3 import build_model
 
     with pytest.raises(ValueError, match="debugmodel"):
         build_model("debug_model", seed=0)
 
 
-def test_get_backend_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_get_representation_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="valid choices are 'default', 'full_dtensor', 'spmd_types'"):
-        get_backend("fsdp")
-    backends._CACHE.pop("spmd_types", None)
-    monkeypatch.setattr(backends, "backend_module_name", lambda name: f"torchtitan_spmd.distributed._absent_{name}")
+        get_representation("fsdp")
+    monkeypatch.setattr(representation, "_CACHE", {})
+    monkeypatch.setattr(representation, "representation_module_name",
+                        lambda name: f"torchtitan_spmd.distributed._absent_{name}")
     with pytest.raises(ValueError, match="has no runtime in this build"):
-        get_backend("spmd_types")
+        get_representation("spmd_types")
 
 
 class _Tiny(nn.Module):
@@ -167,4 +168,4 @@ def test_full_dtensor_rejects_plain_tensors_at_module_boundaries() -> None:
         return "no error"
 
     (message,) = run_forked(make, 1)
-    assert "plain torch.Tensor reached" in message and "parallelize_inputs" in message
+    assert "plain torch.Tensor reached" in message and "prepare_inputs" in message
