@@ -29,14 +29,7 @@ from torchtitan_spmd.models.llama3 import (
     build_model,
 )
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny CPU kernels run fastest (and least noisily on a busy machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def expected_param_count(c: LlamaConfig) -> int:

@@ -19,13 +19,7 @@ from torchtitan_spmd.models.qwen3 import (
     build_model,
 )
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def expected_param_count(c: Qwen3Config) -> int:

@@ -3,10 +3,9 @@ the DTensor views (sharing storage), local regions with keyword arguments, upstr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
-import torch.distributed as dist
 from representation_helpers import (
     check_local_region_passes_keyword_arguments,
     check_views_match_single_process_init,
@@ -34,14 +33,12 @@ def test_local_region_passes_keyword_arguments(backend: str) -> None:
 
 
 @pytest.fixture
-def fake_world() -> Iterator[None]:
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-    dist.init_process_group("fake", rank=0, world_size=1)
+def fake_world(fake_pg: Callable[[int], None]) -> Iterator[None]:
+    """One fake rank; the process default backend restored afterwards."""
+    fake_pg(1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
         set_spmd_backend("default")
 
 

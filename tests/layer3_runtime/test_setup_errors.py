@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig
@@ -15,18 +14,6 @@ from torchtitan_spmd.distributed.layout import S, SpmdLayout
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.launcher import WorkerError, run_forked
-
-
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    """A 4-rank fake process group (no communication: shape-level setup only)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-    dist.init_process_group("fake", rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _cfg(backend: str, **parallelism: int) -> JobConfig:
@@ -48,9 +35,11 @@ def _cfg(backend: str, **parallelism: int) -> JobConfig:
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
 )
-def test_unsupported_combinations_fail_at_setup(fake_world: None, backend: str, degrees: dict, needles: list[str]) -> None:
+def test_unsupported_combinations_fail_at_setup(fake_pg: Callable[[int], None], backend: str, degrees: dict,
+                                                needles: list[str]) -> None:
     from torchtitan_spmd.train import Trainer
 
+    fake_pg(4)
     with pytest.raises(ValueError) as err:
         Trainer(_cfg(backend, **degrees))
     msg = str(err.value)
@@ -59,9 +48,10 @@ def test_unsupported_combinations_fail_at_setup(fake_world: None, backend: str, 
         assert needle in msg
 
 
-def test_full_dtensor_cp_message_names_sdpa(fake_world: None) -> None:
+def test_full_dtensor_cp_message_names_sdpa(fake_pg: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 
+    fake_pg(4)
     with pytest.raises(ValueError, match="context parallelism under SDPA attention"):
         Trainer(_cfg("full_dtensor", context_parallel_degree=2, data_parallel_shard_degree=2))
 

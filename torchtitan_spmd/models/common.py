@@ -41,7 +41,9 @@ __all__ = [
     "Decoder",
     "DecoderBlock",
     "FeedForward",
+    "GroupedQueryAttention",
     "RMSNorm",
+    "RotaryEmbedding",
     "ScaledDotProductAttention",
     "check_positive_ints",
     "check_tp_divisible",
@@ -137,6 +139,47 @@ class ScaledDotProductAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``softmax(q k^T / sqrt(d) + causal mask) v``."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``rope(x [batch, seq, heads, head_dim], cos, sin) -> x rotated``."""
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal grouped-query self-attention with RoPE and optional per-head QK RMSNorm.
+
+    ``wq``/``wk``/``wv``/``wo`` (no bias), ``q_norm``/``k_norm`` (``RMSNorm(head_dim)``,
+    when ``qk_norm_eps`` is given: applied per head before RoPE) and ``sdpa``. Head
+    counts are inferred from the (possibly local, column-sharded) outputs of
+    ``wq``/``wk``; only ``head_dim`` is fixed.
+    """
+
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
+                 qk_norm_eps: float | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope = rope
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, rope_cos, rope_sin), self.rope(k, rope_cos, rope_sin)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
 class FeedForward(nn.Module):

@@ -21,14 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from torchtitan_spmd.models.common import (
     Decoder,
     DecoderBlock,
-    ScaledDotProductAttention,
+    GroupedQueryAttention,
     check_positive_ints,
-    repeat_kv,
 )
 
 __all__ = [
@@ -140,37 +138,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return rotated.reshape(bs, seqlen, n_heads, head_dim).type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE.
-
-    Head counts are inferred from the (possibly local, column-sharded) outputs
-    of ``wq``/``wk``; only ``head_dim`` is fixed.
-    """
+class Attention(GroupedQueryAttention):
+    """Llama attention: grouped-query, interleaved RoPE (:func:`apply_rotary_emb`), no QK norm."""
 
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.kv_heads
-        self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        self.sdpa = ScaledDotProductAttention()
-
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``."""
-        bs, seqlen, _ = x.shape
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q = apply_rotary_emb(q, rope_cos, rope_sin)
-        k = apply_rotary_emb(k, rope_cos, rope_sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k = repeat_kv(k, n_rep)
-        v = repeat_kv(v, n_rep)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        super().__init__(dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.kv_heads,
+                         head_dim=config.head_dim, rope=apply_rotary_emb)
 
 
 class TransformerBlock(DecoderBlock):

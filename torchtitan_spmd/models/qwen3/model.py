@@ -24,15 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from torchtitan_spmd.models.common import (
     Decoder,
     DecoderBlock,
-    RMSNorm,
-    ScaledDotProductAttention,
+    GroupedQueryAttention,
     check_positive_ints,
-    repeat_kv,
 )
 
 __all__ = ["Qwen3Attention", "Qwen3Block", "Qwen3Config", "Qwen3Model", "apply_rotary_emb_half"]
@@ -100,39 +97,12 @@ def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
 
 
-class Qwen3Attention(nn.Module):
-    """Causal grouped-query self-attention with per-head QK RMSNorm and rotate-half RoPE.
-
-    Head counts are inferred from the (possibly local, column-sharded) outputs of
-    ``wq``/``wk``; only ``head_dim`` is fixed.
-    """
+class Qwen3Attention(GroupedQueryAttention):
+    """Qwen3 attention: grouped-query, per-head QK RMSNorm, rotate-half RoPE (:func:`apply_rotary_emb_half`)."""
 
     def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps)
-        self.sdpa = ScaledDotProductAttention()
-
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``."""
-        bs, seqlen, _ = x.shape
-        q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q = apply_rotary_emb_half(q, rope_cos, rope_sin)
-        k = apply_rotary_emb_half(k, rope_cos, rope_sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k = repeat_kv(k, n_rep)
-        v = repeat_kv(v, n_rep)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        super().__init__(dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+                         head_dim=config.head_dim, rope=apply_rotary_emb_half, qk_norm_eps=config.norm_eps)
 
 
 class Qwen3Block(DecoderBlock):
