@@ -126,6 +126,8 @@ class TensorRepresentation(ABC):
 
     #: The ``parallelism.spmd_backend`` value this representation implements.
     name: ClassVar[str]
+    #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
+    supports_typechecking: ClassVar[bool] = False
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims

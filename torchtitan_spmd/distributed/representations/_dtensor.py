@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
 from ..layout import SpmdLayout
 from ..parallel_dims import unfold_dp_axes
@@ -93,8 +93,4 @@ class DTensorRepresentation(TensorRepresentation):
     @classmethod
     def train_context(cls, forward_mesh: DeviceMesh | None, *, loss_parallel: bool,
                       typechecking: bool) -> AbstractContextManager[None]:
-        return _loss_parallel() if loss_parallel else nullcontext()
-
-
-def _loss_parallel() -> AbstractContextManager[None]:
-    return loss_parallel()
+        return torch_loss_parallel() if loss_parallel else nullcontext()

@@ -91,6 +91,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
     """Plain local shards typed with spmd_types; see the package docstring."""
 
     name: ClassVar[str] = "spmd_types"
+    supports_typechecking: ClassVar[bool] = True
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         super().__init__(parallel_dims)
