@@ -14,7 +14,7 @@ import pytest
 import spmd_types as st
 import torch
 import torch.distributed as dist
-from spmd_helpers import in_child
+from spmd_helpers import in_child, torch_at_least
 from spmd_types import I, P, R, S, V
 from torch import nn
 
@@ -37,6 +37,9 @@ from torchtitan_spmd.models.llama3 import FLAVORS, Transformer, build_model, lla
 from torchtitan_spmd.models.qwen3 import qwen3_plan
 
 pytestmark = pytest.mark.backend("spmd_types")
+
+needs_fsdp = pytest.mark.skipif(not torch_at_least(2, 14),
+                                reason="FSDP over spmd_types-annotated tensors needs torch >= 2.14")
 
 
 @pytest.fixture
@@ -142,6 +145,15 @@ def test_new_enough_torch_with_data_parallel_is_fine(fake_world: Callable[[int],
     _rep(pd).validate(_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
 
 
+def test_fsdp_on_old_torch_is_a_clear_error_even_without_validate(
+        fake_world: Callable[[int], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_world(4)
+    rep = _rep(_dims(4, dp_shard=2, tp=2))
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    with pytest.raises(ValueError, match="needs torch >= 2.14"):
+        apply_fsdp(build_model("tiny", seed=0), llama3_plan(), rep)
+
+
 def test_old_torch_without_data_parallel_is_fine(fake_world: Callable[[int], None],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     fake_world(2)
@@ -190,6 +202,7 @@ def test_parameters_are_typed_local_shards_and_keep_requires_grad(fake_world: Ca
     assert st.get_local_type(model.rope_cos)[tp] is R
 
 
+@needs_fsdp
 def test_frozen_parameter_stays_frozen_under_fsdp(fake_world: Callable[[int], None]) -> None:
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
@@ -317,6 +330,7 @@ def test_annotations_survive_meta_init() -> None:
     in_child(_annotations_survive)
 
 
+@needs_fsdp
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_typed_step_with_fsdp_and_tp(family: str) -> None:
     """The whole plan, FSDP included, passes the checker (fake collectives: types only)."""
@@ -408,6 +422,7 @@ def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monk
         (2, {"tp": 2}, None, None, None),
     ],
 )
+@needs_fsdp
 def test_fsdp_storage_mesh_holds_only_active_axes(fake_world: Callable[[int], None], world: int,
                                                   degrees: dict, axes: tuple, shard: Any, replicate: Any) -> None:
     fake_world(world)

@@ -106,6 +106,9 @@ class SpmdTypesRepresentation(TensorRepresentation):
     # ------------------------------------------------------------------ setup
     def validate(self, job_config: JobConfig) -> None:
         super().validate(job_config)
+        self._check_fsdp_support()
+
+    def _check_fsdp_support(self) -> None:
         pd = self.parallel_dims
         have = _torch_release()
         if pd.dp_enabled and have < FSDP_MIN_TORCH:
@@ -198,6 +201,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
         pd = self.parallel_dims
         if not pd.dp_enabled:
             return None
+        self._check_fsdp_support()
         names = [a for a in _STORAGE_AXES if pd.axis_size(a) > 1]
         mesh = pd.get_optional_mesh(names, include_singleton_axes=True)
         assert mesh is not None
