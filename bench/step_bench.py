@@ -1,7 +1,8 @@
 """Step-time benchmark: the SPMD backends on the same job, interleaved in one run.
 
-    python bench/step_bench.py                       # 4 gloo ranks, FSDP 2 x TP 2, debugmodel
+    python bench/step_bench.py                       # 4 gloo ranks, FSDP 2 x TP 2, llama3 debugmodel
     python bench/step_bench.py --steps 8 --variants default,full_dtensor
+    python bench/step_bench.py --model qwen3
 
 Every rank builds one trainer per variant (same model, data and seed), then the
 steps are interleaved: step 1 of every variant, then step 2 of every variant,
@@ -26,8 +27,8 @@ import torch._inductor  # noqa: E402,F401  (imported once in the parent, not per
 
 import torchtitan_spmd.train  # noqa: E402,F401
 from torchtitan_spmd.config import JobConfig  # noqa: E402
-from torchtitan_spmd.distributed.backends import get_backend  # noqa: E402
-from torchtitan_spmd.testing.multiprocess import run_forked  # noqa: E402
+from torchtitan_spmd.distributed.representation import get_representation  # noqa: E402
+from torchtitan_spmd.launcher import run_forked  # noqa: E402
 
 ALL_VARIANTS = ("default", "full_dtensor", "spmd_types", "spmd_types+typecheck")
 
@@ -38,7 +39,7 @@ def _config(variant: str, args: argparse.Namespace) -> JobConfig:
         raise ValueError(f"variant {variant!r}: the only suffix is '+typecheck'.")
     return JobConfig.from_dict(
         {
-            "model": {"flavor": args.flavor},
+            "model": {"name": args.model, "flavor": args.flavor},
             "training": {"steps": args.steps, "local_batch_size": args.local_batch_size,
                          "seq_len": args.seq_len, "device": "cpu"},
             "parallelism": {"data_parallel_shard_degree": args.dp_shard,
@@ -66,7 +67,7 @@ def available_variants() -> list[str]:
     out = []
     for variant in ALL_VARIANTS:
         try:
-            get_backend(variant.partition("+")[0])
+            get_representation(variant.partition("+")[0])
         except ValueError:
             continue
         out.append(variant)
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(available_variants()))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--model", default="llama3", help="model family (model.name)")
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--local-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [max(r[v][i] for r in per_rank) for i in range(args.warmup, args.steps)]
         medians[v] = statistics.median(steps)
     base = medians.get("default")
-    print(f"\n{world} gloo ranks, dp_shard={args.dp_shard} x tp={args.tp}, {args.flavor}, "
+    print(f"\n{world} gloo ranks, dp_shard={args.dp_shard} x tp={args.tp}, {args.model} {args.flavor}, "
           f"local batch {args.local_batch_size} x seq {args.seq_len}, {args.steps - args.warmup} "
           f"measured steps after {args.warmup} warm-up, interleaved; wall {wall:.0f} s\n")
     print("| variant | median step (s) | ratio to default |")

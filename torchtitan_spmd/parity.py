@@ -37,11 +37,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.config import SPMD_BACKENDS, ConfigManager, JobConfig
 
 __all__ = ["BACKENDS", "ParityResult", "collect", "format_table", "main", "max_rel_diff", "write_plot"]
 
-BACKENDS: tuple[str, ...] = ("default", "full_dtensor", "spmd_types")
+BACKENDS: tuple[str, ...] = tuple(SPMD_BACKENDS)
 
 _STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)\s+grad_norm:\s*([-+0-9.eEnaif]+)")
 
@@ -148,11 +148,17 @@ def _default_nproc(cfg: JobConfig) -> int:
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
+def _typechecks(backend: str) -> bool:
+    from torchtitan_spmd.distributed.representation import get_representation
+
+    return get_representation(backend).supports_typechecking
+
+
 def _backend_config(base: JobConfig, backend: str) -> JobConfig:
     data = base.to_dict()
     data["parallelism"]["spmd_backend"] = backend
-    if backend != "spmd_types":
-        data["debug"]["spmd_typechecking"] = False  # only spmd_types is type-checked
+    if not _typechecks(backend):
+        data["debug"]["spmd_typechecking"] = False
     return JobConfig.from_dict(data)
 
 
@@ -168,7 +174,7 @@ def _run_fork(cfg: JobConfig, nproc: int) -> list[tuple[float, float]]:
         import torch._inductor  # noqa: F401  (deterministic mode imports it: once, before forking)
 
     import torchtitan_spmd.train  # noqa: F401
-    from torchtitan_spmd.testing.multiprocess import run_forked
+    from torchtitan_spmd.launcher import run_forked
 
     per_rank = run_forked(_train_rank, nproc, cfg, timeout_s=1800)
     for rank, records in enumerate(per_rank):
@@ -190,7 +196,7 @@ def _run_torchrun(overrides: Sequence[str], backend: str, nproc: int) -> list[tu
         "-m", "torchtitan_spmd.train", *overrides,
         "--parallelism.spmd_backend", backend, "--metrics.log_freq", "1",
     ]
-    if backend != "spmd_types":
+    if not _typechecks(backend):
         cmd.append("--debug.no-spmd_typechecking")
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     text = proc.stdout + proc.stderr
@@ -221,7 +227,7 @@ def collect(base: JobConfig, *, nproc: int, backends: Sequence[str] = BACKENDS,
             raise ValueError(f"unknown launcher {launcher!r}; use 'fork' or 'torchrun'.")
     p = base.parallelism
     description = (
-        f"{base.model.flavor}, {nproc} rank(s): dp_replicate={p.data_parallel_replicate_degree} "
+        f"{base.model.name}/{base.model.flavor}, {nproc} rank(s): dp_replicate={p.data_parallel_replicate_degree} "
         f"dp_shard={p.data_parallel_shard_degree} tp={p.tensor_parallel_degree}"
     )
     return ParityResult(runs=runs, nproc=nproc, description=description)
@@ -264,9 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.launcher == "fork" and not any(a.replace("-", "_").startswith("--training.device")
                                                for a in overrides):
             overrides += ["--training.device", "cpu"]  # forked ranks talk gloo
-        # The base config names spmd_types (each run sets its own backend), so that
-        # --debug.spmd_typechecking does not warn about the default backend.
-        base = ConfigManager().parse_args([*overrides, "--parallelism.spmd_backend", "spmd_types"])
+        # The base config names a type-checking backend (each run sets its own), so
+        # that --debug.spmd_typechecking does not warn about the default backend.
+        typed = next(b for b in BACKENDS if _typechecks(b))
+        base = ConfigManager().parse_args([*overrides, "--parallelism.spmd_backend", typed])
         nproc = opts.nproc if opts.nproc is not None else _default_nproc(base)
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}.")

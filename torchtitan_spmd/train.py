@@ -1,9 +1,11 @@
 """The trainer: ``torchrun --nproc-per-node=N -m torchtitan_spmd.train [--section.field value ...]``.
 
-Reads the layer-1 config (TOML via ``--job.config_file`` plus CLI overrides),
-builds the meshes (layer 2), the debug model and its sharding plan, and trains
-with the selected ``parallelism.spmd_backend``. CPU runs use gloo; CUDA runs
-use nccl. Rank 0 logs one line per step::
+Reads the layer-1 config, builds the meshes (layer 2), the model family of
+``model.name`` (flavour ``model.flavor``) with its sharding plan, and trains with
+the tensor representation of ``parallelism.spmd_backend``. The composition of the
+parallelism techniques is :meth:`Trainer.build_model`; one step is
+:meth:`Trainer.step`. CPU runs use gloo; CUDA runs use nccl. Rank 0 logs one line
+per step::
 
     step: 3  loss: 5.123456  grad_norm: 1.2345  lr: 4.0e-04  tps: 12345  memory: 812.3MiB
 """
@@ -28,11 +30,16 @@ from torch import nn
 from torchtitan_spmd.config import ConfigManager, JobConfig
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
-from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed.apply_plan import apply_plan
+from torchtitan_spmd.distributed.fsdp import apply_fsdp
+from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
+from torchtitan_spmd.distributed.inputs import prepare_inputs
+from torchtitan_spmd.distributed.loss import cross_entropy_loss, global_loss_value
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
-from torchtitan_spmd.distributed.utils import get_train_context, set_spmd_backend
-from torchtitan_spmd.models import build_model
-from torchtitan_spmd.models.llama_plan import llama_plan
+from torchtitan_spmd.distributed.param_init import init_weights
+from torchtitan_spmd.distributed.representation import get_representation
+from torchtitan_spmd.distributed.utils import get_train_context, spmd_backend_scope
+from torchtitan_spmd.models import get_model_spec
 
 logger = logging.getLogger("torchtitan_spmd")
 
@@ -135,22 +142,26 @@ class Trainer:
 
         par = job_config.parallelism
         self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
-        self.backend = get_backend(par.spmd_backend)
-        self.backend.validate_config(job_config, self.parallel_dims)
+        self.model_spec = get_model_spec(job_config.model.name)
+        self.tokenizer = Tokenizer()
+        self.model_config = self.model_spec.model_config(job_config.model.flavor,
+                                                         vocab_size=self.tokenizer.vocab_size)
+        representation_cls = get_representation(par.spmd_backend)
         self.parallel_dims.build_mesh()
-        set_spmd_backend(par.spmd_backend)
+        self.representation = representation_cls(self.parallel_dims)
+        self.representation.validate(job_config)
+        self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
 
-        seed = job_config.debug.seed if job_config.debug.seed is not None else 0
-        torch.manual_seed(seed)
+        self.seed = job_config.debug.seed if job_config.debug.seed is not None else 0
+        torch.manual_seed(self.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
-
-        self.tokenizer = Tokenizer()
-        model = build_model(job_config.model.flavor, seed=seed, vocab_size=self.tokenizer.vocab_size)
-        self._check_divisibility(model)
-        self.plan = llama_plan(sequence_parallel=par.enable_sequence_parallel)
-        model = model.to(self.device_type)
-        self.model: nn.Module = self.backend.parallelize(model, self.parallel_dims, self.plan, job_config)
+        self.plan = self.model_spec.sharding_plan(
+            self.model_config, sequence_parallel=par.enable_sequence_parallel,
+            loss_parallel=not par.disable_loss_parallel,
+        )
+        with spmd_backend_scope(par.spmd_backend):
+            self.model: nn.Module = self.build_model()
 
         opt = job_config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -172,7 +183,7 @@ class Trainer:
         self.dataloader = build_dataloader(
             dp_rank=dp_rank, dp_degree=dp_degree,
             local_batch_size=training.local_batch_size,
-            seq_len=training.seq_len, seed=seed,
+            seq_len=training.seq_len, seed=self.seed,
             corpus_chars=min(DEFAULT_CORPUS_CHARS, max(1 << 16, 2 * needed)),
         )
         self.train_context = get_train_context(
@@ -181,42 +192,40 @@ class Trainer:
             spmd_typechecking=job_config.debug.spmd_typechecking,
         )
 
-    def _check_divisibility(self, model: nn.Module) -> None:
-        pd, cfg = self.parallel_dims, getattr(model, "config", None)
-        if cfg is None or not pd.tp_enabled:
-            return
-        tp = pd.tp
-        checks = {
-            "model n_heads": cfg.n_heads,
-            "model n_kv_heads": cfg.n_kv_heads or cfg.n_heads,
-            "model ffn hidden dim": cfg.ffn_hidden_dim,
-            "vocab size": cfg.vocab_size,
-        }
-        if self.job_config.parallelism.enable_sequence_parallel:
-            checks["training.seq_len"] = self.job_config.training.seq_len
-        for what, value in checks.items():
-            if value % tp:
-                raise ValueError(
-                    f"{what}={value} is not divisible by parallelism.tensor_parallel_degree={tp}."
-                )
+    def build_model(self) -> nn.Module:
+        """Build the model on the meta device, then compose the techniques, in this order.
+
+        1. the sharding plan: tensor, sequence and loss parallelism as it declares;
+        2. (activation checkpointing and 3. ``torch.compile`` go here);
+        4. FSDP2 on what the representation shards;
+        5. materialise on the device and initialise, each rank its shards of the
+           full, seeded weights (the same whatever the layout).
+        """
+        rep = self.representation
+        with torch.device("meta"):
+            model = self.model_spec.build(self.model_config)
+        self.state_layouts = apply_plan(model, self.plan, rep)
+        apply_fsdp(model, self.plan, rep)
+        init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
+        return model
 
     def step(self, step: int) -> StepRecord:
         """Run optimizer step number ``step`` (1-based)."""
         start = time.perf_counter()
         tokens, labels = next(self.dataloader)
         tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
-        inputs, targets = self.backend.prepare_inputs(tokens, labels, self.parallel_dims)
+        rep = self.representation
+        inputs, targets = prepare_inputs(tokens, labels, rep)
         with self.train_context():
             logits = self.model(inputs)
-            loss = self.backend.compute_loss(logits, targets)
+            loss = cross_entropy_loss(logits, targets, rep, logits_layout=self.plan.output_layout())
             loss.backward()
-        grad_norm = self.backend.clip_grad_norm_(self.model, self.job_config.training.max_norm,
-                                                 self.parallel_dims)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = self.backend.loss_value(loss, self.parallel_dims)
+        loss_value = global_loss_value(loss, rep)
         elapsed = time.perf_counter() - start
         return StepRecord(
             step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,
@@ -260,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             par = asdict(job_config.parallelism)
             logger.info(
                 f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
-                f"spmd_backend={par['spmd_backend']}, model={job_config.model.flavor}, "
+                f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
                 f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
                 f"tp={trainer.parallel_dims.tp}"
             )

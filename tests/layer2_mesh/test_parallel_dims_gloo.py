@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_spmd.distributed import ParallelDims  # imported before forking: cheap ranks
-from torchtitan_spmd.testing.multiprocess import run_forked
+from torchtitan_spmd.launcher import run_forked
 
 BACKENDS = ("default", "full_dtensor", "spmd_types")
 

@@ -6,7 +6,7 @@ import functools
 from typing import Any
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.testing.multiprocess import run_forked
+from torchtitan_spmd.launcher import run_forked
 
 #: name -> (world size, parallelism overrides)
 PARITY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -16,18 +16,22 @@ PARITY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp2_tp2": (4, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
 }
 
+#: The layouts the second model family (qwen3) runs under every backend (CI time).
+QWEN3_CONFIGS: tuple[str, ...] = ("fsdp2_tp2", "tp2_sp")
+
 STEPS = 10
 LOCAL_BATCH = 2
 SEQ_LEN = 32
 FLAVOR = "tiny"
+TOL = 1e-5
 
 
 def job_config(backend: str, parallelism: dict[str, Any], *, local_batch: int = LOCAL_BATCH,
-               steps: int = STEPS, **debug: Any) -> JobConfig:
-    """A deterministic fp32 config for parity runs."""
+               steps: int = STEPS, model: str = "llama3", **debug: Any) -> JobConfig:
+    """A deterministic fp32 config for parity runs of model family ``model``."""
     return JobConfig.from_dict(
         {
-            "model": {"flavor": FLAVOR},
+            "model": {"name": model, "flavor": FLAVOR},
             "training": {"steps": steps, "local_batch_size": local_batch, "seq_len": SEQ_LEN,
                          "device": "cpu", "max_norm": 1.0},
             "optimizer": {"lr": 3e-3},
@@ -68,9 +72,10 @@ def run_config(cfg: JobConfig, world: int) -> list[tuple[float, float]]:
 
 
 @functools.cache
-def reference(global_batch: int, steps: int = STEPS) -> tuple[tuple[float, float], ...]:
-    """The single-process run on the same global batch (cached per batch size)."""
-    cfg = job_config("default", {"data_parallel_shard_degree": 1}, local_batch=global_batch, steps=steps)
+def reference(global_batch: int, steps: int = STEPS, model: str = "llama3") -> tuple[tuple[float, float], ...]:
+    """The single-process run on the same global batch (cached per batch size and model)."""
+    cfg = job_config("default", {"data_parallel_shard_degree": 1}, local_batch=global_batch, steps=steps,
+                     model=model)
     return tuple(run_config(cfg, 1))
 
 
@@ -83,3 +88,17 @@ def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
 def max_rel(a: list[float], b: list[float]) -> float:
     """Largest relative difference between two equal-length series."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def check_parity(got: list[tuple[float, float]] | list[tuple[Any, ...]], config_name: str, *,
+                 model: str) -> tuple[float, float]:
+    """Assert that per-step ``(loss, grad_norm, ...)`` match the single-process run within ``TOL``
+    and that the model trained; returns the largest relative differences (loss, grad norm)."""
+    world, parallelism = PARITY_CONFIGS[config_name]
+    ref = reference(LOCAL_BATCH * data_parallel_degree(parallelism, world), model=model)
+    loss, norm = [g[0] for g in got], [g[1] for g in got]
+    ref_loss, ref_norm = [r[0] for r in ref], [r[1] for r in ref]
+    assert max_rel(loss, ref_loss) < TOL, (loss, ref_loss)
+    assert max_rel(norm, ref_norm) < TOL, (norm, ref_norm)
+    assert loss[-1] < loss[0] - 0.1  # it trains (guards against a frozen or no-op model)
+    return max_rel(loss, ref_loss), max_rel(norm, ref_norm)

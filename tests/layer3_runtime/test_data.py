@@ -15,18 +15,12 @@ from torchtitan_spmd.data import (
     build_dataloader,
     build_token_stream,
 )
-from torchtitan_spmd.models import FLAVORS, build_model
+from torchtitan_spmd.models.llama3 import FLAVORS, build_model
 
 SMALL = 20_000  # corpus_chars for tests that want wrap-around quickly
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny CPU kernels run fastest (and least noisily on a busy machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def take(it: ShardedBatchIterator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -12,29 +12,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_spmd.models import (
-    FLAVORS,
-    Attention,
+from torchtitan_spmd.models.common import (
     FeedForward,
-    LlamaConfig,
     RMSNorm,
     ScaledDotProductAttention,
+    count_parameters,
+    precompute_rope,
+)
+from torchtitan_spmd.models.llama3 import (
+    FLAVORS,
+    Attention,
+    LlamaConfig,
     Transformer,
     TransformerBlock,
     apply_rotary_emb,
     build_model,
-    count_parameters,
-    precompute_rope,
 )
 
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny CPU kernels run fastest (and least noisily on a busy machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def expected_param_count(c: LlamaConfig) -> int:

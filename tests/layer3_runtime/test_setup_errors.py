@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed import backends
-from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed import representation
 from torchtitan_spmd.distributed.layout import S, SpmdLayout
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
-from torchtitan_spmd.testing.multiprocess import WorkerError, run_forked
-
-
-@pytest.fixture
-def fake_world() -> Iterator[None]:
-    """A 4-rank fake process group (no communication: shape-level setup only)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-    dist.init_process_group("fake", rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from torchtitan_spmd.distributed.representation import get_representation
+from torchtitan_spmd.launcher import WorkerError, run_forked
 
 
 def _cfg(backend: str, **parallelism: int) -> JobConfig:
@@ -48,9 +35,11 @@ def _cfg(backend: str, **parallelism: int) -> JobConfig:
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
 )
-def test_unsupported_combinations_fail_at_setup(fake_world: None, backend: str, degrees: dict, needles: list[str]) -> None:
+def test_unsupported_combinations_fail_at_setup(fake_pg: Callable[[int], None], backend: str, degrees: dict,
+                                                needles: list[str]) -> None:
     from torchtitan_spmd.train import Trainer
 
+    fake_pg(4)
     with pytest.raises(ValueError) as err:
         Trainer(_cfg(backend, **degrees))
     msg = str(err.value)
@@ -59,9 +48,10 @@ def test_unsupported_combinations_fail_at_setup(fake_world: None, backend: str, 
         assert needle in msg
 
 
-def test_full_dtensor_cp_message_names_sdpa(fake_world: None) -> None:
+def test_full_dtensor_cp_message_names_sdpa(fake_pg: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 
+    fake_pg(4)
     with pytest.raises(ValueError, match="context parallelism under SDPA attention"):
         Trainer(_cfg("full_dtensor", context_parallel_degree=2, data_parallel_shard_degree=2))
 
@@ -96,19 +86,20 @@ def test_mismatched_configs_across_ranks_fail_fast() -> None:
 
 
 def test_unknown_flavor_lists_the_valid_ones() -> None:
-    from torchtitan_spmd.models import build_model
+    from torchtitan_spmd.models.llama3 import build_model
 
     with pytest.raises(ValueError, match="debugmodel"):
         build_model("debug_model", seed=0)
 
 
-def test_get_backend_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_get_representation_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="valid choices are 'default', 'full_dtensor', 'spmd_types'"):
-        get_backend("fsdp")
-    backends._CACHE.pop("spmd_types", None)
-    monkeypatch.setattr(backends, "backend_module_name", lambda name: f"torchtitan_spmd.distributed._absent_{name}")
+        get_representation("fsdp")
+    monkeypatch.setattr(representation, "_CACHE", {})
+    monkeypatch.setattr(representation, "representation_module_name",
+                        lambda name: f"torchtitan_spmd.distributed._absent_{name}")
     with pytest.raises(ValueError, match="has no runtime in this build"):
-        get_backend("spmd_types")
+        get_representation("spmd_types")
 
 
 class _Tiny(nn.Module):
@@ -167,4 +158,4 @@ def test_full_dtensor_rejects_plain_tensors_at_module_boundaries() -> None:
         return "no error"
 
     (message,) = run_forked(make, 1)
-    assert "plain torch.Tensor reached" in message and "parallelize_inputs" in message
+    assert "plain torch.Tensor reached" in message and "prepare_inputs" in message

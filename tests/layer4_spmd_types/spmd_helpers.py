@@ -31,8 +31,8 @@ from parity_helpers import (  # noqa: E402
     warm_parent,
 )
 
-import torchtitan_spmd.distributed.spmd_types  # noqa: E402,F401  (import once, before forking)
-from torchtitan_spmd.testing.multiprocess import run_forked  # noqa: E402
+import torchtitan_spmd.distributed.representations.spmd_types  # noqa: E402,F401  (import once, before forking)
+from torchtitan_spmd.launcher import run_forked  # noqa: E402
 
 __all__ = [
     "LOCAL_BATCH",
@@ -52,9 +52,13 @@ __all__ = [
 
 
 def torch_at_least(major: int, minor: int) -> bool:
-    from torchtitan_spmd.distributed.spmd_types import torch_version
+    import re
 
-    return torch_version() >= (major, minor)
+    import torch
+
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    assert match is not None, torch.__version__
+    return (int(match.group(1)), int(match.group(2))) >= (major, minor)
 
 
 def _train_mixed(rank: int, world: int, cfg: Any, typed_steps: int) -> list[tuple[float, float, float, bool]]:

@@ -14,21 +14,32 @@ import pytest
 import spmd_types as st
 import torch
 import torch.distributed as dist
-from spmd_helpers import in_child
+from spmd_helpers import in_child, torch_at_least
 from spmd_types import I, P, R, S, V
 from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig
-from torchtitan_spmd.distributed import spmd_types as sb
-from torchtitan_spmd.distributed._dtensor_common import clear_dtensor_sharding_caches
-from torchtitan_spmd.distributed.backends import get_backend
+from torchtitan_spmd.distributed.apply_plan import apply_plan
+from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches
+from torchtitan_spmd.distributed.inputs import prepare_inputs
 from torchtitan_spmd.distributed.layout import SpmdLayout
+from torchtitan_spmd.distributed.loss import cross_entropy_loss
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
-from torchtitan_spmd.models import build_model
-from torchtitan_spmd.models.llama_plan import llama_plan
+from torchtitan_spmd.distributed.representation import StateLayout, get_representation
+from torchtitan_spmd.distributed.representations import spmd_types as sb
+from torchtitan_spmd.distributed.representations.spmd_types import (
+    mesh_context,
+    redistribute,
+    typecheck,
+)
+from torchtitan_spmd.models.llama3 import FLAVORS, Transformer, build_model, llama3_plan
+from torchtitan_spmd.models.qwen3 import qwen3_plan
 
 pytestmark = pytest.mark.backend("spmd_types")
+
+needs_fsdp = pytest.mark.skipif(not torch_at_least(2, 14),
+                                reason="FSDP over spmd_types-annotated tensors needs torch >= 2.14")
 
 
 @pytest.fixture
@@ -67,15 +78,28 @@ def _dims(world: int, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1) 
     return pd
 
 
+def _rep(pd: ParallelDims) -> sb.SpmdTypesRepresentation:
+    return sb.SpmdTypesRepresentation(pd)
+
+
 def _axis(pd: ParallelDims, name: str) -> Any:
-    return st.MeshAxis.of(sb.spmd_forward_mesh(pd).get_group(name))
+    return st.MeshAxis.of(_rep(pd).forward_mesh.get_group(name))
+
+
+def _parallelize(pd: ParallelDims, model: nn.Module, plan: ShardingPlan | None = None,
+                 ) -> tuple[sb.SpmdTypesRepresentation, dict[str, StateLayout]]:
+    """The trainer's composition on an already-initialised CPU model: plan, then FSDP."""
+    rep, plan = _rep(pd), plan or llama3_plan()
+    states = apply_plan(model, plan, rep)
+    apply_fsdp(model, plan, rep)
+    return rep, states
 
 
 # --------------------------------------------------------------------------- registry
-def test_backend_is_registered_and_imports_the_library() -> None:
-    backend = get_backend("spmd_types")
-    assert backend is sb.BACKEND and backend.name == "spmd_types"
-    assert sb.st.__name__ == "spmd_types"  # the library, not this module
+def test_representation_is_registered_and_imports_the_library() -> None:
+    assert get_representation("spmd_types") is sb.SpmdTypesRepresentation
+    assert sb.REPRESENTATION.name == "spmd_types"
+    assert sb.st.__name__ == "spmd_types"  # the library, not this package
 
 
 # --------------------------------------------------------------------------- setup errors
@@ -104,25 +128,38 @@ def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan_spmd.train import Trainer
 
-    monkeypatch.setattr(sb, "torch_version", lambda: (2, 13))
     fake_world(4)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     with pytest.raises(ValueError) as err:
         Trainer(_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
     msg = str(err.value)
     assert "torch >= 2.14" in msg and "torch 2.13" in msg and "dp_shard=2" in msg, msg
 
 
+@pytest.mark.parametrize("version", ["2.14.1+cu130", "2.15.0a0+git1234", "3.0.0"])
+def test_new_enough_torch_with_data_parallel_is_fine(fake_world: Callable[[int], None],
+                                                     monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    fake_world(4)
+    pd = _dims(4, dp_shard=2, tp=2)
+    monkeypatch.setattr(torch, "__version__", version)
+    _rep(pd).validate(_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+
+
+def test_fsdp_on_old_torch_is_a_clear_error_even_without_validate(
+        fake_world: Callable[[int], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_world(4)
+    rep = _rep(_dims(4, dp_shard=2, tp=2))
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    with pytest.raises(ValueError, match="needs torch >= 2.14"):
+        apply_fsdp(build_model("tiny", seed=0), llama3_plan(), rep)
+
+
 def test_old_torch_without_data_parallel_is_fine(fake_world: Callable[[int], None],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sb, "torch_version", lambda: (2, 13))
     fake_world(2)
     pd = _dims(2, tp=2)
-    sb.BACKEND.validate_config(_cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2), pd)
-
-
-def test_real_torch_version_is_parsed() -> None:
-    major, minor = sb.torch_version()
-    assert f"{major}.{minor}" in torch.__version__
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    _rep(pd).validate(_cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2))
 
 
 def test_typechecking_with_pipeline_parallel_is_a_config_error() -> None:
@@ -143,7 +180,7 @@ def test_parameters_are_typed_local_shards_and_keep_requires_grad(fake_world: Ca
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.tok_embeddings.weight.requires_grad_(False)  # frozen: must stay frozen
     model.layers["0"].attention_norm.weight.requires_grad_(False)
-    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(tensor_parallel_degree=2))
+    _parallelize(pd, model)
     tp = _axis(pd, "tp")
     params = dict(model.named_parameters())
     assert not params["tok_embeddings.weight"].requires_grad
@@ -165,12 +202,13 @@ def test_parameters_are_typed_local_shards_and_keep_requires_grad(fake_world: Ca
     assert st.get_local_type(model.rope_cos)[tp] is R
 
 
+@needs_fsdp
 def test_frozen_parameter_stays_frozen_under_fsdp(fake_world: Callable[[int], None]) -> None:
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
     model = build_model("tiny", seed=0)
     model.layers["1"].feed_forward.w1.weight.requires_grad_(False)
-    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    _parallelize(pd, model)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen == ["layers.1.feed_forward.w1.weight"]
 
@@ -178,9 +216,8 @@ def test_frozen_parameter_stays_frozen_under_fsdp(fake_world: Callable[[int], No
 def test_uneven_shards_follow_dtensor_chunking(fake_world: Callable[[int], None]) -> None:
     fake_world(4)
     pd = _dims(4, tp=4)
-    mesh = sb.spmd_forward_mesh(pd)
     full = torch.arange(6.0)
-    local = sb.spmd_distribute_tensor(full, mesh, SpmdLayout({"tp": S(0)}))
+    local = _rep(pd).distribute(full, SpmdLayout({"tp": S(0)}))
     assert local.tolist() == [0.0, 1.0]  # chunk 0 of [2, 2, 2] (torch.chunk of 6 into 4)
     # Two axes on one dim, in partition-spec order (dp outer, tp inner) on a 2x2 mesh.
     dist.destroy_process_group()
@@ -188,20 +225,27 @@ def test_uneven_shards_follow_dtensor_chunking(fake_world: Callable[[int], None]
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
     layout = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
-    local = sb.spmd_distribute_tensor(torch.arange(8.0), sb.spmd_forward_mesh(pd), layout)
+    local = _rep(pd).distribute(torch.arange(8.0), layout)
     assert local.tolist() == [0.0, 1.0]
     spec = st.get_partition_spec(local)
     assert spec[0] == (_axis(pd, "dp"), _axis(pd, "tp"))
 
 
-def _typed_train_step(model: nn.Module, pd: ParallelDims, *, seq: int = 16) -> torch.Tensor:
-    tokens = torch.randint(0, 320, (2, seq))
-    labels = torch.randint(0, 320, (2, seq))
-    tokens, labels = sb.BACKEND.prepare_inputs(tokens, labels, pd)
-    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
-        loss = sb.BACKEND.compute_loss(model(tokens), labels)
+def _typed_train_step(model: nn.Module, rep: sb.SpmdTypesRepresentation, plan: ShardingPlan | None = None,
+                      *, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """One type-checked forward, loss and backward; returns ``(logits, loss)``."""
+    plan = plan or llama3_plan()
+    tokens, labels = prepare_inputs(torch.randint(0, 320, (2, seq)), torch.randint(0, 320, (2, seq)), rep)
+    with rep.train_context(rep.forward_mesh, loss_parallel=True, typechecking=True):
+        logits = model(tokens)
+        loss = cross_entropy_loss(logits, labels, rep, logits_layout=plan.output_layout())
         loss.backward()
-    return loss
+    return logits, loss
+
+
+def _loss_types(loss: torch.Tensor, pd: ParallelDims) -> dict[str, Any]:
+    axes = {st.MeshAxis.of(_rep(pd).forward_mesh.get_group(a)): a for a in ("dp", "tp") if pd.axis_size(a) > 1}
+    return {axes[k]: v for k, v in st.get_local_type(loss).items()}
 
 
 def _child_world(world: int) -> None:
@@ -214,66 +258,65 @@ def _child_world(world: int) -> None:
 
 
 def _annotations_survive() -> None:
+    from torchtitan_spmd.distributed.param_init import init_weights
+
     _child_world(2)
     pd = _dims(2, tp=2)
-    model = build_model("tiny", seed=0)
-    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(tensor_parallel_degree=2))
+    with torch.device("meta"):  # as the trainer builds it
+        model = Transformer(FLAVORS["tiny"])
+    rep, states = _parallelize(pd, model)
     before = {n: (st.get_local_type(p), st.get_partition_spec(p)) for n, p in model.named_parameters()}
-
-    model.to_empty(device="cpu")
-    with torch.no_grad():  # re-initialisation, in place
-        for p in model.parameters():
-            nn.init.normal_(p, std=0.02)
-    # Parameters are the same objects (to_empty swaps .data): their types survive.
+    assert all(p.is_meta for p in model.parameters())
+    # Materialising replaces every parameter and buffer; the representation types them again.
+    init_weights(model, states, rep, seed=0, device="cpu")
     after = {n: (st.get_local_type(p), st.get_partition_spec(p)) for n, p in model.named_parameters()}
-    assert after == before
-    # Buffers are new tensors; a re-init may replace them again (like init_weights does).
-    model.rope_sin = torch.zeros_like(model.rope_sin)
-    assert not st.has_local_type(model.rope_cos) and not st.has_local_type(model.rope_sin)
-    assert sb.annotate_module_states(model) == 2
+    assert after == before and not any(p.is_meta for p in model.parameters())
     assert st.get_local_type(model.rope_cos)[_axis(pd, "tp")] is R
+    # A buffer replaced later is typed again on request (the rest is left alone).
+    model.rope_sin = torch.zeros_like(model.rope_sin)
+    assert not st.has_local_type(model.rope_sin)
+    assert rep.reannotate(model, states) == 1 and st.has_local_type(model.rope_sin)
 
-    # And they are restored by themselves before a type-checked forward.
-    model.rope_cos = torch.zeros_like(model.rope_cos)
-    loss = _typed_train_step(model, pd)
-    assert st.has_local_type(model.rope_cos)
+    _, loss = _typed_train_step(model, rep)
     assert set(st.get_local_type(loss).values()) == {I}
     assert all(p.grad is not None for p in model.parameters())
 
 
-def _typed_step_fsdp_tp() -> None:
+def _typed_step_fsdp_tp(family: str) -> None:
+    from torchtitan_spmd.models import get_model_spec
+
     _child_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
-    model = build_model("tiny", seed=0)
-    sb.BACKEND.parallelize(model, pd, llama_plan(), _cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2))
-    loss = _typed_train_step(model, pd)
-    assert set(st.get_local_type(loss).values()) == {I}
+    spec = get_model_spec(family)
+    model, plan = spec.build_initialized("tiny", seed=0), spec.sharding_plan(None)
+    rep, _ = _parallelize(pd, model, plan)
+    logits, loss = _typed_train_step(model, rep, plan)
+    assert logits.shape[-1] == 160  # vocab-parallel: this rank's half
+    # Each rank's loss is its share of the global mean: partial on dp, invariant on tp.
+    assert _loss_types(loss, pd) == {"dp": P, "tp": I}
 
 
 def _typed_step_no_sp_no_loss_parallel() -> None:
     _child_world(2)
     pd = _dims(2, tp=2)
     model = build_model("tiny", seed=0)
-    cfg = _cfg(tensor_parallel_degree=2, enable_sequence_parallel=False, disable_loss_parallel=True)
-    sb.BACKEND.parallelize(model, pd, llama_plan(sequence_parallel=False), cfg)
-    tokens, labels = sb.BACKEND.prepare_inputs(torch.randint(0, 320, (2, 16)), torch.randint(0, 320, (2, 16)), pd)
-    with sb.BACKEND.train_context(enable_loss_parallel=False, parallel_dims=pd, spmd_typechecking=True):
-        logits = model(tokens)
-        assert logits.shape[-1] == 320  # gathered (I@tp) for a plain cross-entropy
-        loss = sb.BACKEND.compute_loss(logits, labels)
-        loss.backward()
-    assert set(st.get_local_type(loss).values()) == {I}
+    plan = llama3_plan(sequence_parallel=False, loss_parallel=False)
+    rep, _ = _parallelize(pd, model, plan)
+    logits, loss = _typed_train_step(model, rep, plan)
+    assert logits.shape[-1] == 320  # gathered (I@tp) for a plain cross-entropy
+    assert _loss_types(loss, pd) == {"tp": I}
 
 
 def _replicated_loss_is_rejected() -> None:
     _child_world(2)
     pd = _dims(2, tp=2)
-    tp = sb.spmd_forward_mesh(pd).get_group("tp")
+    rep = _rep(pd)
+    tp = rep.forward_mesh.get_group("tp")
     x = torch.ones(3, requires_grad=True)
     st.assert_type(x, {tp: R})
     y = torch.ones(3, requires_grad=True)
     st.assert_type(y, {tp: S(0)})
-    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
+    with rep.train_context(rep.forward_mesh, loss_parallel=True, typechecking=True):
         loss = (x * 2).sum()
         with pytest.raises(st.SpmdTypeError, match="only an invariant"):
             loss.backward()
@@ -283,13 +326,15 @@ def _replicated_loss_is_rejected() -> None:
 
 
 # Type-checked backward passes run in forked children (see spmd_helpers.in_child).
-def test_annotations_survive_to_empty_and_reinit() -> None:
+def test_annotations_survive_meta_init() -> None:
     in_child(_annotations_survive)
 
 
-def test_typed_step_with_fsdp_and_tp() -> None:
+@needs_fsdp
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_typed_step_with_fsdp_and_tp(family: str) -> None:
     """The whole plan, FSDP included, passes the checker (fake collectives: types only)."""
-    in_child(_typed_step_fsdp_tp)
+    in_child(_typed_step_fsdp_tp, family)
 
 
 def test_typed_step_without_sequence_or_loss_parallel() -> None:
@@ -301,9 +346,11 @@ def test_backward_of_a_replicated_loss_is_rejected() -> None:
 
 
 # --------------------------------------------------------------------------- plan validation
-def test_llama_plans_validate() -> None:
+@pytest.mark.parametrize("make_plan", [llama3_plan, qwen3_plan])
+def test_family_plans_validate(make_plan: Callable[..., ShardingPlan]) -> None:
     for sp in (True, False):
-        sb.spmd_validate_redistributions(llama_plan(sequence_parallel=sp))
+        for lp in (True, False):
+            redistribute.validate_redistributions(make_plan(sequence_parallel=sp, loss_parallel=lp))
 
 
 def test_shard_order_change_is_rejected_at_setup() -> None:
@@ -311,14 +358,14 @@ def test_shard_order_change_is_rejected_at_setup() -> None:
     b = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("tp", "dp"),))
     plan = ShardingPlan(modules={"block": ModulePlan(inputs=(Redistribute(a, b),))}, mesh_axes=("dp", "tp"))
     with pytest.raises(ValueError, match=r"plan 'block' input #0: .*shard order of tensor dim 0 \(the axes of tensor dim 0 would end in the wrong order"):
-        sb.spmd_validate_redistributions(plan)
+        redistribute.validate_redistributions(plan)
     # Moving a non-innermost axis also needs more than its own collective.
     c = SpmdLayout({"tp": S(0), "dp": S(1)})
     plan = ShardingPlan(modules={"block": ModulePlan(output=Redistribute(a, c))}, mesh_axes=("dp", "tp"))
     with pytest.raises(ValueError, match=r"plan 'block' output: .*axis 'dp' must move but is not the innermost axis of tensor dim 0"):
-        sb.spmd_validate_redistributions(plan)
+        redistribute.validate_redistributions(plan)
     # The same change is fine when one of the axes is size 1 on this mesh.
-    sb.spmd_validate_redistributions(plan, mesh_axes=["dp"])
+    redistribute.validate_redistributions(plan, mesh_axes=["dp"])
 
 
 def test_rejected_plan_fails_parallelize(fake_world: Callable[[int], None]) -> None:
@@ -328,13 +375,13 @@ def test_rejected_plan_fails_parallelize(fake_world: Callable[[int], None]) -> N
     b = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("tp", "dp"),))
     bad = ShardingPlan(modules={"norm": ModulePlan(inputs=(Redistribute(a, b),))})
     with pytest.raises(ValueError, match="shard order"):
-        sb.apply_spmd_plan(build_model("tiny", seed=0), bad, sb.spmd_forward_mesh(pd))
+        apply_plan(build_model("tiny", seed=0), bad, _rep(pd))
 
 
 def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monkeypatch: pytest.MonkeyPatch) -> None:
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
-    mesh = sb.spmd_forward_mesh(pd)
+    mesh = _rep(pd).forward_mesh
     calls: list[tuple[str, Any, Any]] = []
 
     def fake_redistribute(x: torch.Tensor, group: Any, *, src: Any, dst: Any) -> torch.Tensor:
@@ -342,12 +389,12 @@ def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monk
         calls.append((name, src, dst))
         return x
 
-    monkeypatch.setattr(sb.st, "redistribute", fake_redistribute)
+    monkeypatch.setattr(redistribute.st, "redistribute", fake_redistribute)
     x = torch.zeros(4, 4)
 
     def run(src: Any, dst: Any) -> list[tuple[str, Any, Any]]:
         calls.clear()
-        sb.spmd_redistribute_per_axis(x, mesh, src, dst)
+        redistribute.redistribute_per_axis(x, mesh, src, dst)
         return list(calls)
 
     assert run({"tp": P}, {"tp": S(1)}) == [("tp", P, S(1))]  # reduce_scatter
@@ -360,53 +407,55 @@ def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monk
     both = SpmdLayout({"dp": V, "tp": V}, partition_spec=(("dp", "tp"),))
     assert run(both, SpmdLayout()) == [("tp", S(0), R), ("dp", S(0), R)]
     assert run(SpmdLayout(), both) == [("dp", R, S(0)), ("tp", R, S(0))]
-    assert sb.spmd_redistribute_per_axis(x, None, {"tp": P}, {"tp": R}) is x
+    assert redistribute.redistribute_per_axis(x, None, {"tp": P}, {"tp": R}) is x
 
 
 # --------------------------------------------------------------------------- FSDP meshes
 @pytest.mark.parametrize(
     ("world", "degrees", "axes", "shard", "replicate"),
     [
-        (1, {}, ("dp_shard",), None, None),
+        (1, {}, None, None, None),
         (4, {"dp_shard": 4}, ("dp_shard",), "dp_shard", None),
         (4, {"dp_shard": 2, "tp": 2}, ("dp_shard", "tp"), "dp_shard", None),
         (4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate", "dp_shard"), "dp_shard", "dp_replicate"),
         (4, {"dp_replicate": 2, "tp": 2}, ("dp_replicate", "tp"), None, "dp_replicate"),
-        (2, {"tp": 2}, ("tp",), None, None),
+        (2, {"tp": 2}, None, None, None),
     ],
 )
+@needs_fsdp
 def test_fsdp_storage_mesh_holds_only_active_axes(fake_world: Callable[[int], None], world: int,
                                                   degrees: dict, axes: tuple, shard: Any, replicate: Any) -> None:
     fake_world(world)
-    mesh, dims = sb.resolve_fsdp_mesh(_dims(world, **degrees))
-    assert mesh.mesh_dim_names == axes
-    if shard is None and replicate is None:
-        assert dims is None  # a 1-rank (or DP-free) storage mesh: no mesh dims
-    else:
-        assert (dims.shard, dims.replicate) == (shard, replicate)
+    spec = _rep(_dims(world, **degrees)).fsdp_spec()
+    if axes is None:
+        assert spec is None  # no data parallelism: no FSDP
+        return
+    assert spec.mesh.mesh_dim_names == axes
+    assert (spec.dp_mesh_dims.shard, spec.dp_mesh_dims.replicate) == (shard, replicate)
 
 
 # --------------------------------------------------------------------------- runtime helpers
 def test_current_mesh_stack_and_train_context(fake_world: Callable[[int], None]) -> None:
     fake_world(4)
     pd = _dims(4, dp_shard=2, tp=2)
-    mesh = sb.spmd_forward_mesh(pd)
+    rep = _rep(pd)
+    mesh = rep.forward_mesh
+    mc = mesh_context
     assert mesh.mesh_dim_names == ("dp", "tp")
-    assert sb.current_spmd_mesh() is None and sb.spmd_mesh_size("tp") == 1
-    with sb.set_current_spmd_mesh(mesh):
-        assert sb.current_spmd_mesh() is mesh and st.current_mesh() is not None
-        assert sb.spmd_mesh_size("tp") == 2 and sb.spmd_mesh_size("cp") == 1
-        with sb.set_current_spmd_mesh(None):
-            assert sb.current_spmd_mesh() is None
-        assert sb.current_spmd_mesh() is mesh
-    assert sb.current_spmd_mesh() is None and st.current_mesh() is None
+    assert mc.current_spmd_mesh() is None
+    with mc.set_current_spmd_mesh(mesh):
+        assert mc.current_spmd_mesh() is mesh and st.current_mesh() is not None
+        with mc.set_current_spmd_mesh(None):
+            assert mc.current_spmd_mesh() is None
+        assert mc.current_spmd_mesh() is mesh
+    assert mc.current_spmd_mesh() is None and st.current_mesh() is None
     assert torch.autograd.is_multithreading_enabled()
-    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=True):
-        assert sb.current_spmd_mesh() is mesh
+    with rep.train_context(mesh, loss_parallel=True, typechecking=True):
+        assert mc.current_spmd_mesh() is mesh
         assert not torch.autograd.is_multithreading_enabled()
         assert st.is_type_checking()
     assert torch.autograd.is_multithreading_enabled() and not st.is_type_checking()
-    with sb.BACKEND.train_context(enable_loss_parallel=True, parallel_dims=pd, spmd_typechecking=False):
+    with rep.train_context(mesh, loss_parallel=True, typechecking=False):
         assert not st.is_type_checking()
 
 
@@ -420,4 +469,4 @@ def test_current_mesh_stack_and_train_context(fake_world: Callable[[int], None])
     ],
 )
 def test_view_groups(src: tuple, dst: tuple, groups: Any) -> None:
-    assert sb._view_groups(src, dst) == groups
+    assert typecheck._view_groups(src, dst) == groups

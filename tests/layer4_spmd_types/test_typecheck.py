@@ -16,7 +16,7 @@ import pytest
 import torch
 from spmd_helpers import in_child, warm_parent
 
-from torchtitan_spmd.testing.multiprocess import run_forked
+from torchtitan_spmd.launcher import run_forked
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.backend("spmd_types")]
 

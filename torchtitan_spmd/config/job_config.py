@@ -149,8 +149,8 @@ class ModelConfig(_Section):
 
     section_name: typing.ClassVar[str] = "model"
 
-    name: str = "llama"
-    """Model family. The built-in family is ``"llama"``."""
+    name: str = "llama3"
+    """Model family, a key of the model registry (``"llama3"`` or ``"qwen3"``)."""
 
     flavor: str = "debugmodel"
     """Model size preset, e.g. ``"debugmodel"`` (about 6M parameters)."""

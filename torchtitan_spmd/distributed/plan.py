@@ -15,8 +15,9 @@ Layouts only mention the *model-parallel* axes (``tp``, later ``cp``/``ep``).
 The data-parallel axes are the backend's business: activations are batch-sharded
 on them and parameters replicated (FSDP shards their storage separately).
 
-Each backend is a small interpreter of this plan (``distributed/<backend>.py``);
-a fork adds a model by writing a plan, not three parallelize functions.
+One technique applies it (:mod:`.apply_plan`) against each backend's tensor
+representation (:mod:`.representation`); a fork adds a model by writing a plan,
+not three parallelize functions.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class ShardingPlan:
     mesh_axes: tuple[str, ...] = ("tp",)
     output_module: str = "output"
     fsdp_units: tuple[str, ...] = ()
+
+    def output_layout(self) -> SpmdLayout | None:
+        """The layout of the model's output: the last layout of ``output_module``'s output boundary."""
+        mplan = self.modules.get(self.output_module)
+        return boundary_dst(mplan.output) if mplan is not None else None
 
     def fsdp_unit_modules(self, model: nn.Module) -> list[nn.Module]:
         """The modules matching ``fsdp_units``, in model order."""

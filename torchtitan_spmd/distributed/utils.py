@@ -1,34 +1,57 @@
-"""Runtime helpers whose names mirror ``torchtitan.distributed.utils``."""
+"""Upstream's names in ``torchtitan.distributed.utils``, for forks: the backend and the train context.
+
+- :func:`get_train_context` takes the backend from ``parallel_dims.spmd_backend``
+  (as upstream does), so it always agrees with the trainer that owns those dims;
+- :func:`get_spmd_backend` answers, inside a trainer's setup or train context,
+  that trainer's backend (a context-local scope, see :func:`spmd_backend_scope`);
+  elsewhere the process default that :func:`set_spmd_backend` sets. The trainer
+  itself never reads the process default.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from .backends import get_backend
+from .representation import get_representation
 
 if TYPE_CHECKING:
     from .parallel_dims import ParallelDims
 
-__all__ = ["get_spmd_backend", "get_train_context", "set_spmd_backend"]
+__all__ = ["get_spmd_backend", "get_train_context", "set_spmd_backend", "spmd_backend_scope"]
 
-_current_backend = "default"
+_process_default = "default"
+_scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("torchtitan_spmd_backend", default=None)
 
 
 def set_spmd_backend(name: str) -> None:
-    """Select the process-wide SPMD backend (``parallelism.spmd_backend``).
+    """Set the backend :func:`get_spmd_backend` reports outside any trainer.
 
     Raises ValueError for an unknown name, or a backend with no runtime in this build.
     """
-    global _current_backend
-    get_backend(name)  # validates the name and that the runtime exists
-    _current_backend = name
+    global _process_default
+    get_representation(name)  # validates the name and that the runtime exists
+    _process_default = name
 
 
 def get_spmd_backend() -> str:
-    """The process-wide SPMD backend set by :func:`set_spmd_backend` (default ``"default"``)."""
-    return _current_backend
+    """The backend of the innermost :func:`spmd_backend_scope` (a trainer's), else the process default."""
+    scoped = _scoped.get()
+    return scoped if scoped is not None else _process_default
+
+
+@contextlib.contextmanager
+def spmd_backend_scope(name: str) -> Iterator[None]:
+    """Within this context (and this thread/task), :func:`get_spmd_backend` returns ``name``."""
+    get_representation(name)
+    token = _scoped.set(name)
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 def get_train_context(
@@ -46,16 +69,20 @@ def get_train_context(
             loss = loss_fn(model(inputs), labels)
             loss.backward()
 
-    What the context does belongs to the current backend (loss parallel for the
-    DTensor backends; the current mesh and optional type checking for ``spmd_types``).
+    The backend is ``parallel_dims.spmd_backend`` (without ``parallel_dims``: the
+    process default, and no mesh). What the context does belongs to that backend's
+    representation: torch's ``loss_parallel()`` for the DTensor backends; the
+    forward mesh and optional type checking for ``spmd_types``.
     """
-    backend = get_backend(get_spmd_backend())
+    backend = parallel_dims.spmd_backend if parallel_dims is not None else get_spmd_backend()
+    cls = get_representation(backend)
+    mesh = cls.resolve_forward_mesh(parallel_dims) if parallel_dims is not None else None
 
-    def context() -> AbstractContextManager[None]:
-        return backend.train_context(
-            enable_loss_parallel=enable_loss_parallel,
-            parallel_dims=parallel_dims,
-            spmd_typechecking=spmd_typechecking,
-        )
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with spmd_backend_scope(backend), cls.train_context(
+            mesh, loss_parallel=enable_loss_parallel, typechecking=spmd_typechecking
+        ):
+            yield
 
     return context

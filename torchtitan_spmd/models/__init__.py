@@ -1,35 +1,146 @@
-"""Models trained by the runtime: a Llama-style decoder (:mod:`.llama`)."""
+"""The model registry: a model family is its module, its plan, its flavours and its validation.
 
-from torchtitan_spmd.models.llama import (
-    FLAVORS,
-    Attention,
-    FeedForward,
-    LlamaConfig,
-    RMSNorm,
-    ScaledDotProductAttention,
-    Transformer,
-    TransformerBlock,
-    apply_rotary_emb,
-    build_model,
-    count_parameters,
-    ffn_hidden_dim,
-    param_seed,
-    precompute_rope,
-)
+In the spirit of upstream's ``ModelSpec``. Each built-in family is a package
+``torchtitan_spmd.models.<family>`` that defines ``MODEL_SPEC`` (a
+:class:`ModelSpec`) and a ``config_registry`` module of functions returning a
+``JobConfig`` (``--module <family> --config <function>``). The trainer picks the
+family with ``model.name`` and the flavour with ``model.flavor``::
+
+    spec = get_model_spec("qwen3")
+    config = spec.model_config("tiny", vocab_size=320)
+    with torch.device("meta"):
+        model = spec.build(config)
+    plan = spec.sharding_plan(config, sequence_parallel=True, loss_parallel=True)
+
+Built-in families: ``llama3`` (Llama 3 style) and ``qwen3`` (Qwen3 style: QK
+RMSNorm per head, decoupled head width). A fork adds its own with
+:func:`register_model_spec`. Importing this package imports no family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torchtitan_spmd._errors import suggest
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+    from torchtitan_spmd.distributed.plan import ShardingPlan
 
 __all__ = [
-    "FLAVORS",
-    "Attention",
-    "FeedForward",
-    "LlamaConfig",
-    "RMSNorm",
-    "ScaledDotProductAttention",
-    "Transformer",
-    "TransformerBlock",
-    "apply_rotary_emb",
-    "build_model",
-    "count_parameters",
-    "ffn_hidden_dim",
-    "param_seed",
-    "precompute_rope",
+    "BUILTIN_FAMILIES",
+    "ModelSpec",
+    "cpu_job_config",
+    "get_model_spec",
+    "model_families",
+    "register_model_spec",
 ]
+
+#: The families shipped with the library, each the package ``torchtitan_spmd.models.<name>``.
+BUILTIN_FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family.
+
+    Attributes:
+        name: the family name (``model.name``).
+        flavors: flavour name (``model.flavor``) -> model config (a frozen dataclass
+            with a ``vocab_size`` field).
+        build: model config -> the model, on the current device (the trainer builds
+            on ``meta``), not yet initialised. The model provides
+            ``initial_value(fqn, shape, seed)`` (see ``distributed/param_init.py``).
+        sharding_plan: ``(config, *, sequence_parallel, loss_parallel)`` -> the plan.
+        validate: ``(config, job_config, parallel_dims)``: raise ValueError, naming the
+            field, for a config these degrees cannot shard (e.g. heads not divisible by TP).
+    """
+
+    name: str
+    flavors: Mapping[str, Any]
+    build: Callable[[Any], nn.Module]
+    sharding_plan: Callable[..., ShardingPlan]
+    validate: Callable[[Any, JobConfig, ParallelDims], None]
+
+    def model_config(self, flavor: str, *, vocab_size: int | None = None) -> Any:
+        """The config of ``flavor``, with ``vocab_size`` replaced when given.
+
+        Raises ValueError for an unknown flavour, listing the valid ones.
+        """
+        if flavor not in self.flavors:
+            raise ValueError(
+                f"unknown model.flavor {flavor!r} for model.name={self.name!r}; valid flavors: "
+                f"{', '.join(sorted(self.flavors))}.{suggest(flavor, self.flavors)}"
+            )
+        config = self.flavors[flavor]
+        return dataclasses.replace(config, vocab_size=vocab_size) if vocab_size is not None else config
+
+    def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None) -> nn.Module:
+        """Flavour ``flavor`` built full-size on CPU (float32) and initialised with ``seed``.
+
+        Built on the meta device first, so the caller's RNG is left alone.
+        """
+        config = self.model_config(flavor, vocab_size=vocab_size)
+        with torch.device("meta"):
+            model = self.build(config)
+        model.to_empty(device="cpu")
+        model.init_weights(seed)  # type: ignore[operator]
+        return model
+
+
+_REGISTERED: dict[str, ModelSpec] = {}
+
+
+def register_model_spec(spec: ModelSpec) -> None:
+    """Make ``spec`` selectable as ``model.name=spec.name``; ValueError if the name is taken."""
+    if spec.name in BUILTIN_FAMILIES or spec.name in _REGISTERED:
+        raise ValueError(f"model family {spec.name!r} is already registered.")
+    _REGISTERED[spec.name] = spec
+
+
+def model_families() -> list[str]:
+    """Every selectable family name: the built-in ones, then the registered ones."""
+    return [*BUILTIN_FAMILIES, *_REGISTERED]
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of family ``name``; ValueError listing the families for an unknown one."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name not in BUILTIN_FAMILIES:
+        families = model_families()
+        raise ValueError(
+            f"unknown model.name {name!r}; valid names: {', '.join(map(repr, families))}.{suggest(name, families)}"
+        )
+    spec = importlib.import_module(f"{__name__}.{name}").MODEL_SPEC
+    if not isinstance(spec, ModelSpec) or spec.name != name:
+        raise TypeError(f"{__name__}.{name}.MODEL_SPEC must be a ModelSpec named {name!r}.")
+    return spec
+
+
+def cpu_job_config(name: str, flavor: str, *, local_batch_size: int, seq_len: int, lr: float,
+                   steps: int = 10, warmup_steps: int = 2) -> JobConfig:
+    """A ``JobConfig`` for family ``name``, flavour ``flavor``, sized to train on a few CPU cores.
+
+    What the families' ``config_registry`` functions return; every other field keeps
+    its default, and command-line overrides apply on top.
+    """
+    from torchtitan_spmd.config import JobConfig
+
+    config = JobConfig()
+    config.model.name = name
+    config.model.flavor = flavor
+    config.training.local_batch_size = local_batch_size
+    config.training.seq_len = seq_len
+    config.training.steps = steps
+    config.optimizer.lr = lr
+    config.lr_scheduler.warmup_steps = warmup_steps
+    return config

@@ -1,9 +1,11 @@
-"""Run a function on N real gloo ranks in forked processes.
+"""The forked CPU launcher: run a function on N gloo ranks forked from this process.
 
-A small, cheap alternative to PyTorch's ``MultiProcessTestCase`` (about 0.5 s
-per 4-rank run on 2 cores instead of 8-20 s): ranks are forked, rendezvous
-through a ``FileStore`` in a temporary directory, and send their results back
-as pickles. Return plain Python data (lists, floats), not tensors.
+``python -m torchtitan_spmd.parity`` launches its runs with it (``--launcher fork``);
+the test suite and the benchmarks use it too. Ranks are forked (cheap: about 0.5 s
+for 4 ranks on 2 cores, against 6 s for spawned ones), rendezvous through a
+``FileStore`` in a temporary directory, run one thread each, and send their results
+back as pickles: return plain Python data (lists, floats), not tensors. Every
+collective gets the given timeout, and the launcher kills ranks that outlive it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+__all__ = ["WorkerError", "run_forked"]
 
 
 class WorkerError(RuntimeError):

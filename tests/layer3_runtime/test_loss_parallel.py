@@ -1,21 +1,20 @@
-"""Vocab-parallel cross-entropy on local shards matches torch's ``loss_parallel()``.
+"""The loss technique's vocab-parallel cross-entropy on local shards matches torch's ``loss_parallel()``.
 
 Uneven vocab splits (``torch.chunk`` order, as DTensor's ``Shard``), labels with
 ``ignore_index=-100``, the loss and the gradient of every logit, on real gloo
-ranks; the spmd_types version also runs under ``typecheck(local=False)``, which
-checks its registered typing rule (vocab-sharded logits + invariant labels give
-an invariant loss).
+ranks. It runs under ``spmd_types``' ``typecheck(local=False)``, which also checks
+its typing rule (vocab-sharded logits + invariant labels give an invariant loss).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from spmd_helpers import warm_parent
+from parity_helpers import warm_parent
 
-from torchtitan_spmd.testing.multiprocess import run_forked
+from torchtitan_spmd.launcher import run_forked
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.backend("spmd_types")]
+pytestmark = pytest.mark.multiproc
 
 N = 12
 
@@ -39,7 +38,7 @@ def _rank(rank: int, world: int, vocab: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from torchtitan_spmd.distributed.spmd_types import vocab_parallel_cross_entropy
+    from torchtitan_spmd.distributed.loss import vocab_parallel_cross_entropy
 
     logits, labels = _data(vocab)
     tp = dist.group.WORLD
@@ -53,7 +52,7 @@ def _rank(rank: int, world: int, vocab: int) -> dict:
         ref.backward()
     ref_grad = d_logits.grad.to_local()
 
-    # spmd_types: this rank's vocab chunk, a plain tensor, under the checker.
+    # Ours: this rank's vocab chunk, a plain tensor, under the checker.
     local = logits.chunk(world, dim=1)[rank].clone().requires_grad_(True)
     st.assert_type(local, {tp: S(1)})
     st.assert_type(labels, {tp: I})

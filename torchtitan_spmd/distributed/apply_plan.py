@@ -1,0 +1,94 @@
+"""Technique: apply a sharding plan (tensor, sequence and loss parallelism as it declares).
+
+The one hook installer, written against
+:class:`~torchtitan_spmd.distributed.representation.TensorRepresentation`:
+
+1. every parameter and buffer becomes ``representation.distribute(tensor, layout)``
+   (unplanned ones are replicated);
+2. every planned module gets a forward pre-hook: each declared input
+   ``arrive``-s with its layout and, at a :class:`Redistribute`, is
+   ``redistribute``-d to the layout the module needs;
+3. and a forward hook: the output is redistributed if declared so, then
+   ``depart``-s with its layout;
+4. ``local_compute`` modules have their body wrapped in
+   ``representation.local_region``. That is the place for kernels that must see
+   local shards (attention's SDPA); a context-parallel technique replaces the
+   body of that region (ring attention) and keeps the boundary.
+
+Works on a model built on the meta device: nothing here reads values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
+from .representation import StateLayout, TensorRepresentation
+
+__all__ = ["apply_plan", "state_layouts"]
+
+
+def state_layouts(model: nn.Module, plan: ShardingPlan) -> dict[str, StateLayout]:
+    """The layout and full shape of every parameter and buffer of ``model`` (before sharding).
+
+    Keys are fully-qualified names (``layers.0.attention.wq.weight``).
+    """
+    out: dict[str, StateLayout] = {}
+    for fqn, module, name, layout in plan.param_layouts(model):
+        tensor = getattr(module, name)
+        if tensor is not None:
+            out[f"{fqn}.{name}" if fqn else name] = StateLayout(layout, tensor.shape)
+    return out
+
+
+def apply_plan(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation) -> dict[str, StateLayout]:
+    """Shard ``model`` in place per ``plan`` and install the boundary hooks.
+
+    Returns :func:`state_layouts` of the model (what the initialisation and the
+    state-dict views need). Raises ValueError at setup for a plan that does not
+    match the model or that the representation cannot run. Without a forward
+    mesh (nothing distributed) the model is left as it is.
+    """
+    states = state_layouts(model, plan)
+    representation.check_plan(plan)
+    if representation.forward_mesh is None:
+        return states
+    for _, module, name, layout in plan.param_layouts(model):
+        table = module._parameters if name in module._parameters else module._buffers
+        if table[name] is not None:
+            table[name] = representation.distribute(table[name], layout)  # type: ignore[assignment]
+    for fqn, module, mplan in plan.resolve(model):
+        _install(fqn or "<model>", module, mplan, representation)
+    return states
+
+
+def _install(fqn: str, module: nn.Module, mplan: ModulePlan, rep: TensorRepresentation) -> None:
+    def pre_hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = list(args)
+        for i, b in enumerate(mplan.inputs[: len(args)]):
+            src = boundary_src(b)
+            if src is None:
+                continue
+            where = f"{fqn} input #{i}"
+            x = rep.arrive(args[i], src, module=module, where=where)
+            if isinstance(b, Redistribute):
+                x = rep.redistribute(x, b.src, b.dst, where=where)
+            out[i] = x
+        return tuple(out)
+
+    def post_hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        b, where = mplan.output, f"{fqn} output"
+        if isinstance(b, Redistribute):
+            output = rep.redistribute(output, b.src, b.dst, where=where)
+        return rep.depart(output, boundary_dst(b), where=where)
+
+    if mplan.inputs:
+        module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook)
+    if mplan.local_compute:
+        out_layout = boundary_dst(mplan.output)
+        if out_layout is None:
+            raise ValueError(f"plan for {fqn!r}: local_compute needs an output layout.")
+        module.forward = rep.local_region(module.forward, out_layout, where=fqn)  # type: ignore[method-assign]

@@ -1,0 +1,71 @@
+"""Technique: the global gradient norm and clipping, whatever the layout.
+
+Each gradient contributes the sum of squares of its local shard, summed over
+exactly the groups it is sharded over -- a DTensor gradient's sharded mesh dims
+(``Shard`` and FSDP's ``_StridedShard``), or, for a plain gradient, what the
+representation says (:meth:`~torchtitan_spmd.distributed.representation.TensorRepresentation.grad_shard_groups`)
+-- and never over replicated ones, so every element counts once. Gradients
+sharded the same way share one bucket, and each group gets one all-reduce over
+the buckets it shards, in parameter order, so every rank issues the same
+collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from .representation import TensorRepresentation
+
+__all__ = ["clip_grad_norm_", "global_grad_norm"]
+
+
+def _local_and_groups(param: torch.Tensor, representation: TensorRepresentation,
+                      ) -> tuple[torch.Tensor, tuple[dist.ProcessGroup, ...]]:
+    g = param.grad
+    assert g is not None
+    if not isinstance(g, DTensor):
+        return g, representation.grad_shard_groups(param)
+    if any(p.is_partial() for p in g.placements):  # pending sums: reduce them first
+        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    groups = tuple(
+        g.device_mesh.get_group(i) for i, p in enumerate(g.placements)
+        if not p.is_replicate() and g.device_mesh.size(i) > 1
+    )
+    return g.to_local(), groups
+
+
+def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorRepresentation) -> torch.Tensor:
+    """The 2-norm over every gradient of ``parameters``, as a float32 CPU scalar, equal on every rank."""
+    buckets: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        local, groups = _local_and_groups(p, representation)
+        buckets.setdefault(groups, []).append(local.detach().float().pow(2).sum())
+    if not buckets:
+        return torch.zeros((), dtype=torch.float32)
+    keys = list(buckets)
+    sums = torch.stack([torch.stack(buckets[k]).sum() for k in keys])
+    seen: list[dist.ProcessGroup] = []
+    for key in keys:
+        seen.extend(g for g in key if not any(g is s for s in seen))
+    for group in seen:
+        idx = [i for i, k in enumerate(keys) if any(g is group for g in k)]
+        sub = sums[idx].clone()
+        dist.all_reduce(sub, group=group)
+        sums[idx] = sub
+    return sums.sum().sqrt().cpu()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    representation: TensorRepresentation) -> float:
+    """Clip gradients in place to ``max_norm`` over the global norm (0: no clipping); return the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    total = global_grad_norm(params, representation)
+    if params and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)

@@ -1,0 +1,142 @@
+"""Technique: the cross-entropy loss, vocab-parallel where the logits are vocab-sharded.
+
+Written once for every representation, on local shards:
+
+- the logits' layout is the plan's output layout: sharded on the last dim over an
+  active axis (loss parallel on), the per-token losses come from
+  :class:`VocabParallelCrossEntropy` (two all-reduces forward, none backward);
+  otherwise from ``F.cross_entropy`` on the full local vocabulary;
+- ``loss = (sum of this rank's per-token losses) / (global count of non-ignored
+  labels)``: every rank's loss is its share of the global mean, so the global
+  mean is their *sum* over the data-parallel ranks, and FSDP sums (never
+  averages) gradients;
+- :func:`global_loss_value` is that sum, the same float on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layout import SpmdLayout
+from .representation import TensorRepresentation
+
+__all__ = [
+    "IGNORE_INDEX",
+    "VocabParallelCrossEntropy",
+    "cross_entropy_loss",
+    "global_loss_value",
+    "vocab_parallel_cross_entropy",
+]
+
+#: Labels equal to this are ignored (torch's default).
+IGNORE_INDEX = -100
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits, on local tensors.
+
+    ``logits``: ``[N, V_local]`` (this rank's contiguous vocab chunk in ``torch.chunk``
+    order, like DTensor's ``Shard``, so uneven splits work); ``labels``: ``[N]`` global
+    ids, the same on every rank of ``group``; rows whose label is ``ignore_index``
+    give 0. Returns ``[N]`` float32 losses, identical on every rank of ``group``, so
+    the backward needs no collective. Forward: one MAX all-reduce (row maxima and
+    the chunk size) and one SUM all-reduce (exp-sums and target logits).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor,
+                group: dist.ProcessGroup, ignore_index: int) -> torch.Tensor:
+        ctx.input_dtype = logits.dtype
+        logits = logits.float()
+        n, v_local = logits.shape
+        rank = dist.get_rank(group)
+        # One MAX all-reduce: the row maxima and the chunk size (rank 0's, the largest).
+        packed = torch.cat([
+            logits.amax(dim=1) if v_local else logits.new_full((n,), float("-inf")),
+            logits.new_tensor([float(v_local)]),
+        ])
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        row_max, chunk = packed[:n], int(packed[n].item())
+        start = rank * chunk
+        shifted = logits - row_max.unsqueeze(1)
+        exp = shifted.exp()
+        in_range = (labels >= start) & (labels < start + v_local)
+        local_idx = torch.where(in_range, labels - start, torch.zeros_like(labels))
+        target = shifted.gather(1, local_idx.unsqueeze(1)).squeeze(1) if v_local else shifted.new_zeros(n)
+        target = torch.where(in_range, target, torch.zeros_like(target))
+        sums = torch.stack([exp.sum(dim=1), target])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        sum_exp, target = sums[0], sums[1]
+        valid = labels != ignore_index
+        loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
+        softmax = exp.div_(sum_exp.unsqueeze(1))
+        ctx.save_for_backward(softmax, in_range & valid, local_idx, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        softmax, hit, local_idx, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[1]:
+            grad.scatter_add_(1, local_idx.unsqueeze(1), -hit.to(grad.dtype).unsqueeze(1))
+        grad.mul_((grad_out * valid.to(grad.dtype)).unsqueeze(1))
+        return grad.to(ctx.input_dtype), None, None, None
+
+    @staticmethod
+    def spmd_typecheck(out: torch.Tensor, *, logits: torch.Tensor, labels: torch.Tensor,
+                       group: dist.ProcessGroup) -> None:
+        """The ``spmd_types`` typing rule: vocab-sharded logits, invariant labels -> invariant losses."""
+        import spmd_types as st
+
+        st.assert_type(logits, {group: st.S(-1)})
+        st.assert_type(labels, {group: st.I})
+        st.assert_type_like(out, labels)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                                 group: dist.ProcessGroup, *,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token losses ``[N]`` of vocab-sharded ``logits [N, V_local]`` (see the class)."""
+    return VocabParallelCrossEntropy.apply(logits, labels, group, ignore_index)
+
+
+def _vocab_group(representation: TensorRepresentation, logits_layout: SpmdLayout | None,
+                 ndim: int) -> dist.ProcessGroup | None:
+    """The group the logits' last dim is sharded over, or None (full vocabulary locally)."""
+    mesh = representation.forward_mesh
+    if mesh is None or logits_layout is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    for axis, dim in logits_layout.shard_dims().items():
+        if dim % ndim == ndim - 1 and axis in names and mesh.size(names.index(axis)) > 1:
+            return mesh.get_group(axis)
+    return None
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representation: TensorRepresentation,
+                       *, logits_layout: SpmdLayout | None) -> torch.Tensor:
+    """This rank's share of the global mean cross-entropy (see the module docstring).
+
+    ``logits_layout``: the plan's output layout
+    (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`).
+    """
+    logits, labels = representation.to_local(logits), representation.to_local(labels)
+    flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten(0, 1)
+    group = _vocab_group(representation, logits_layout, logits.dim())
+    if group is not None:
+        per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, group)
+    else:
+        per_token = F.cross_entropy(flat_logits.float(), flat_labels, reduction="none",
+                                    ignore_index=IGNORE_INDEX)
+    total = per_token.sum()
+    count = representation.sum_over_batch((flat_labels != IGNORE_INDEX).to(total.dtype).sum())
+    return total / count
+
+
+def global_loss_value(loss: torch.Tensor, representation: TensorRepresentation) -> float:
+    """The global mean loss (the sum of every rank's share), the same float on every rank."""
+    return float(representation.sum_over_batch(representation.to_local(loss.detach())))

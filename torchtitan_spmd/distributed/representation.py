@@ -1,0 +1,303 @@
+"""How an SPMD backend represents tensors: the narrow interface, and its registry.
+
+Every ``parallelism.spmd_backend`` is one :class:`TensorRepresentation`: the
+answer to "what is this rank's copy of a tensor laid out as ``SpmdLayout`` L?".
+``default`` answers "a DTensor on the ``tp`` mesh inside the modules that compute
+with parameters, a plain local tensor between them"; ``full_dtensor`` "a DTensor
+on the dense mesh, always"; ``spmd_types`` "a plain local shard, typed with
+``spmd_types``". Everything else -- applying the plan, FSDP, the loss, gradient
+clipping, inputs, initialisation -- is a technique written once against this
+interface (``distributed/apply_plan.py``, ``fsdp.py``, ``loss.py``, ...).
+
+The interface, in the order a train step meets it:
+
+================================  ==================================================
+``forward_mesh``                  the mesh forward and backward run on (None: nothing
+                                  is distributed)
+``validate(job_config)``          setup-time errors for what this backend cannot run
+``check_plan(plan)``              setup-time errors for plans it cannot interpret
+``distribute(tensor, layout)``    a full parameter/buffer -> this rank's value
+``from_local(x, layout)``         a local data shard (batch-sharded on DP) -> value
+``arrive(x, layout, ...)``        a value entering a plan boundary
+``redistribute(x, src, dst)``     between two layouts of the plan
+``depart(x, layout)``             a value leaving a module's output boundary
+``local_region(fn, layout)``      run a module body on local shards
+``to_local(x)``                   this rank's shard as a plain tensor
+``sum_over_batch(x)``             sum a per-rank partial value over the DP ranks
+``fsdp_spec()``                   what ``fully_shard`` shards (mesh, dp_mesh_dims)
+``grad_shard_groups(param)``      the groups a plain gradient is sharded over
+``materialize(model, states, d)`` allocate a meta-built, sharded model
+``to_dtensor(tensor, state)``     a DTensor view sharing storage (state dicts, init)
+``train_context(mesh, ...)``      the context forward, loss and backward run in
+================================  ==================================================
+
+Layouts name only the model-parallel axes (``tp``, later ``cp``/``ep``); the
+data-parallel axes are the representation's business: data is batch-sharded on
+them and parameters replicated (FSDP shards storage separately). The registry
+(:func:`get_representation`) imports ``distributed/representations/<name>`` on
+first use and is the only place that maps a backend name to code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .layout import SpmdLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from torchtitan_spmd.config import JobConfig
+
+    from .parallel_dims import ParallelDims
+    from .plan import ShardingPlan
+
+__all__ = [
+    "FsdpSpec",
+    "StateLayout",
+    "TensorRepresentation",
+    "as_parameter_like",
+    "build_representation",
+    "describe_unsupported",
+    "get_representation",
+    "representation_module_name",
+]
+
+
+@dataclass(frozen=True)
+class FsdpSpec:
+    """What FSDP2's ``fully_shard`` shards under one representation.
+
+    Attributes:
+        mesh: the mesh passed to ``fully_shard``.
+        dp_mesh_dims: which of its dims are data-parallel (``fully_shard(...,
+            dp_mesh_dims=...)``); None when every dim of ``mesh`` is.
+
+    Gradients are always *summed* across the data-parallel ranks: the loss
+    technique makes every rank's loss its share of the global mean.
+    """
+
+    mesh: DeviceMesh
+    dp_mesh_dims: DataParallelMeshDims | None = None
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The layout and the full (global) shape of one parameter or buffer.
+
+    Recorded by :func:`~torchtitan_spmd.distributed.apply_plan.apply_plan` for every
+    state of the model; what :meth:`TensorRepresentation.to_dtensor` needs to view a
+    plain local shard as the global tensor it is part of.
+    """
+
+    layout: SpmdLayout
+    global_shape: torch.Size
+
+
+def describe_unsupported(backend: str, what: str, alternative: str) -> str:
+    """Uniform wording for setup-time errors about unsupported combinations."""
+    return f"spmd_backend={backend!r} does not support {what}; {alternative}"
+
+
+def as_parameter_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as an ``nn.Parameter`` with ``old``'s ``requires_grad`` if ``old`` is one."""
+    if isinstance(old, nn.Parameter):
+        return nn.Parameter(new, requires_grad=old.requires_grad)
+    return new
+
+
+class TensorRepresentation(ABC):
+    """How one SPMD backend represents tensors. One subclass per backend module.
+
+    An instance is bound to one :class:`ParallelDims` (whose meshes are built): the
+    trainer holds it, and nothing about it is process-global.
+    """
+
+    #: The ``parallelism.spmd_backend`` value this representation implements.
+    name: ClassVar[str]
+    #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
+    supports_typechecking: ClassVar[bool] = False
+
+    def __init__(self, parallel_dims: ParallelDims) -> None:
+        self.parallel_dims = parallel_dims
+        self.forward_mesh: DeviceMesh | None = self.resolve_forward_mesh(parallel_dims)
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    @abstractmethod
+    def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
+        """The mesh this backend's forward and backward run on; None: nothing is distributed."""
+
+    def validate(self, job_config: JobConfig) -> None:
+        """Raise ``ValueError`` at setup for what this backend cannot run.
+
+        Context, pipeline and expert parallelism have meshes (``ParallelDims``) but
+        no runtime yet, under every backend.
+        """
+        pd, name = self.parallel_dims, self.name
+        if pd.cp_enabled:
+            raise ValueError(describe_unsupported(
+                name, "context parallelism under SDPA attention",
+                "set parallelism.context_parallel_degree=1 (CP needs ring attention, not implemented).",
+            ))
+        if pd.pp_enabled:
+            raise ValueError(describe_unsupported(
+                name, "pipeline parallelism in this runtime", "set parallelism.pipeline_parallel_degree=1."
+            ))
+        if pd.ep_enabled:
+            raise ValueError(describe_unsupported(
+                name, "expert parallelism for dense models",
+                "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).",
+            ))
+
+    def check_plan(self, plan: ShardingPlan) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` at setup for plan boundaries this backend cannot run."""
+
+    # ------------------------------------------------------------------ tensors
+    @abstractmethod
+    def distribute(self, tensor: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        """This rank's value of the full parameter or buffer ``tensor`` laid out as ``layout``.
+
+        Replicated on the data-parallel axes. A parameter comes back as an
+        ``nn.Parameter`` with the same ``requires_grad`` (see :func:`as_parameter_like`);
+        ``tensor`` may be on the meta device.
+        """
+
+    @abstractmethod
+    def from_local(self, x: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        """Represent ``x``, this rank's shard of a batch-sharded value with ``layout``."""
+
+    @abstractmethod
+    def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
+        """``x`` enters ``module`` at a boundary the plan declares as ``layout``.
+
+        Returns what the module body computes with. A representation may check
+        the declaration (``where`` names the boundary in errors).
+        """
+
+    @abstractmethod
+    def redistribute(self, x: Any, src: SpmdLayout, dst: SpmdLayout, *, where: str) -> Any:
+        """``x``, laid out as ``src``, laid out as ``dst`` instead."""
+
+    def depart(self, x: Any, layout: SpmdLayout | None, *, where: str) -> Any:
+        """``x`` leaves a module's output boundary with ``layout`` (None: undeclared)."""
+        return x
+
+    @abstractmethod
+    def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,
+                     where: str) -> Callable[..., Any]:
+        """Wrap a module's ``forward`` so that its body runs on local shards.
+
+        The wrapped body sees plain local tensors (positional and keyword
+        arguments) and returns one laid out as ``out_layout``.
+        """
+
+    @abstractmethod
+    def to_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``x`` as a tensor the local kernels accept (autograd-safe)."""
+
+    @abstractmethod
+    def sum_over_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (a per-rank partial value, no gradient) over the ranks holding different data."""
+
+    # ------------------------------------------------------------------ FSDP and gradients
+    @abstractmethod
+    def fsdp_spec(self) -> FsdpSpec | None:
+        """What ``fully_shard`` shards, or None when there is no data parallelism."""
+
+    def grad_shard_groups(self, param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+        """The groups over which the plain (non-DTensor) gradient of ``param`` is sharded.
+
+        A gradient norm sums its local squares over exactly these. DTensor
+        gradients carry their own placements; plain ones are replicated unless a
+        representation says otherwise.
+        """
+        return ()
+
+    # ------------------------------------------------------------------ state
+    def materialize(self, model: nn.Module, states: Mapping[str, StateLayout],
+                    device: torch.device | str) -> None:
+        """Allocate (uninitialised) storage for a model built on the meta device and sharded.
+
+        ``states``: what :func:`~torchtitan_spmd.distributed.apply_plan.apply_plan` returned.
+        """
+        model.to_empty(device=device)
+
+    @abstractmethod
+    def to_dtensor(self, tensor: torch.Tensor, state: StateLayout) -> torch.Tensor:
+        """A DTensor view of this rank's value of a state, sharing its storage.
+
+        DTensors are returned unchanged; so is a plain tensor when nothing is
+        distributed (one rank, no mesh): it is then the full tensor.
+        """
+
+    # ------------------------------------------------------------------ train step
+    @classmethod
+    def train_context(cls, forward_mesh: DeviceMesh | None, *, loss_parallel: bool,
+                      typechecking: bool) -> AbstractContextManager[None]:
+        """The context forward, loss and backward run in (a classmethod: usable without a trainer).
+
+        ``loss_parallel``: torch's ``loss_parallel()`` for DTensor logits (forks' own
+        losses); ``typechecking``: ``debug.spmd_typechecking``.
+        """
+        return contextlib.nullcontext()
+
+
+# ======================================================================================
+# The registry: the only place that maps a backend name to code.
+# ======================================================================================
+def representation_module_name(name: str) -> str:
+    """The module that implements backend ``name`` (by convention)."""
+    return f"{__package__}.representations.{name}"
+
+
+_CACHE: dict[str, type[TensorRepresentation]] = {}
+
+
+def get_representation(name: str) -> type[TensorRepresentation]:
+    """The representation class of backend ``name``.
+
+    Raises ValueError for an unknown name, and naming the missing module when the
+    backend is valid but its runtime is not part of this build (e.g. a stack
+    prefix without the ``spmd_types`` layer).
+    """
+    from torchtitan_spmd.config import SPMD_BACKENDS
+
+    if name not in SPMD_BACKENDS:
+        raise ValueError(
+            f"unknown spmd_backend {name!r}; valid choices are {', '.join(map(repr, SPMD_BACKENDS))}."
+        )
+    if name not in _CACHE:
+        module_name = representation_module_name(name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            raise ValueError(
+                f"spmd_backend {name!r} has no runtime in this build ({module_name} is missing)."
+            ) from err
+        cls = getattr(module, "REPRESENTATION", None)
+        if not (isinstance(cls, type) and issubclass(cls, TensorRepresentation)) or cls.name != name:
+            raise TypeError(
+                f"{module_name}.REPRESENTATION must be a TensorRepresentation subclass named {name!r}."
+            )
+        _CACHE[name] = cls
+    return _CACHE[name]
+
+
+def build_representation(parallel_dims: ParallelDims) -> TensorRepresentation:
+    """The representation of ``parallel_dims.spmd_backend``, bound to ``parallel_dims``."""
+    return get_representation(parallel_dims.spmd_backend)(parallel_dims)
+

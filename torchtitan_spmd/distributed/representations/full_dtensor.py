@@ -1,0 +1,107 @@
+"""Backend ``full_dtensor``: every parameter, buffer and input is a DTensor on one mesh.
+
+The dense mesh ``(dp_replicate, dp_shard, cp, tp)`` (inactive axes dropped; on one
+rank the 1-rank ``dp_shard`` mesh):
+
+- parameters and buffers: ``Replicate`` on the data-parallel axes, the plan's
+  layout on the model axes; FSDP shards their storage over ``dp_shard`` with
+  ``fully_shard(mesh, dp_mesh_dims=DataParallelMeshDims(...))``;
+- data: ``Shard(0)`` on the data-parallel axes, the plan's layout elsewhere;
+- every plan boundary must receive DTensors (a plain tensor is an error) and
+  redistributes only their model axes;
+- local regions (attention's SDPA, which DTensor cannot shard on every device)
+  run on the local shards, wrapped back into DTensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..layout import SpmdLayout
+from ..representation import FsdpSpec, as_parameter_like
+from ._dtensor import DTensorRepresentation
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..parallel_dims import ParallelDims
+
+__all__ = ["REPRESENTATION", "FullDTensorRepresentation"]
+
+
+class FullDTensorRepresentation(DTensorRepresentation):
+    """Everything a DTensor on the dense mesh; see the module docstring."""
+
+    name: ClassVar[str] = "full_dtensor"
+
+    @staticmethod
+    def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
+        mesh = parallel_dims.resolve_mesh(["dp", "cp", "tp"])
+        if mesh is None:
+            mesh = parallel_dims.get_optional_mesh("dp_shard", include_singleton_axes=True)
+        if mesh is None:
+            raise RuntimeError("full_dtensor: ParallelDims built no dp_shard mesh; call build_mesh() first.")
+        return mesh
+
+    def distribute(self, tensor: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        local = distribute_tensor(tensor.detach(), self._mesh(), self.placements(layout, data=False),
+                                  src_data_rank=None)
+        return as_parameter_like(tensor, local)
+
+    def from_local(self, x: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        return DTensor.from_local(x, self._mesh(), self.placements(layout, data=True), run_check=False)
+
+    def _global(self, x: torch.Tensor, where: str) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise TypeError(
+                f"full_dtensor: a plain torch.Tensor reached {where}; every input must be a DTensor "
+                "(prepare inputs with torchtitan_spmd.distributed.inputs.prepare_inputs)."
+            )
+        return x
+
+    def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            self.check_layout(self._global(x, where), layout, where)
+        return x
+
+    def redistribute(self, x: Any, src: SpmdLayout, dst: SpmdLayout, *, where: str) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return self.redistribute_dtensor(self._global(x, where), src, dst, where)
+
+    def depart(self, x: Any, layout: SpmdLayout | None, *, where: str) -> Any:
+        if isinstance(x, DTensor) and layout is not None:
+            self.check_layout(x, layout, where)
+        return x
+
+    def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,
+                     where: str) -> Callable[..., Any]:
+        mesh, placements = self._mesh(), self.placements(out_layout, data=True)
+
+        @functools.wraps(forward)
+        def local_forward(*args: Any, **kwargs: Any) -> Any:
+            out = self.local_body(forward, *args, **kwargs)
+            return DTensor.from_local(out, mesh, placements, run_check=False)
+
+        return local_forward
+
+    def fsdp_spec(self) -> FsdpSpec | None:
+        if not self.parallel_dims.dp_enabled:
+            return None
+        mesh = self._mesh()
+        names = mesh.mesh_dim_names or ()
+        dims = DataParallelMeshDims(
+            shard="dp_shard" if "dp_shard" in names else None,
+            replicate="dp_replicate" if "dp_replicate" in names else None,
+        )
+        return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
+
+
+REPRESENTATION = FullDTensorRepresentation

@@ -1,0 +1,289 @@
+"""Backend ``spmd_types``: plain local shards typed with ``spmd_types``, explicit collectives.
+
+Nothing here is a DTensor during forward and backward: every parameter, buffer
+and activation is a plain ``torch.Tensor`` holding this rank's shard, annotated
+with its per-axis ``spmd_types`` type, and every change of layout is one explicit
+``spmd_types`` collective. With ``--debug.spmd_typechecking`` the forward and the
+loss run under ``spmd_types.checker.typecheck(local=False)``, which proves each of
+those collectives is where it must be (a missing ``all_reduce`` is a type error
+instead of a silently wrong gradient).
+
+On the forward/backward mesh ``(dp, cp, tp)`` (active axes only):
+
+- parameters and buffers: sliced in partition-spec order (``torch.chunk``
+  semantics, as DTensor's ``Shard``), annotated ``R`` on the data-parallel axes
+  and the plan's type on the model axes;
+- data: ``S(0)`` on ``dp``, the plan's layout elsewhere (tokens ``R@tp``, labels ``I@tp``);
+- boundaries: one collective per changed axis (:mod:`.redistribute`); plans
+  needing anything else are rejected at setup; under the checker every declared
+  layout is asserted;
+- local regions run under ``spmd_types.local()`` and their output is stamped
+  with the declared layout;
+- FSDP2 on the storage mesh (the active ones of ``dp_replicate, dp_shard, tp``)
+  with ``DataParallelMeshDims`` (torch >= 2.14). FSDP also all-reduces, over
+  ``tp``, the gradients of parameters replicated on ``tp`` (their gradient type is
+  ``P``); without FSDP a gradient hook does it.
+
+Modules: :mod:`.mesh_context` (the library's current mesh), :mod:`.layout_types`
+(layouts as annotations), :mod:`.redistribute` (the planner), :mod:`.typecheck`
+(the checker shim and the train context).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import spmd_types as st  # the library (absolute import), not this package
+import torch
+import torch.distributed as dist
+from spmd_types import I, P, R, S, V
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ...layout import SpmdLayout
+from ...representation import (
+    FsdpSpec,
+    StateLayout,
+    TensorRepresentation,
+    as_parameter_like,
+    describe_unsupported,
+)
+from .layout_types import annotate, distribute_tensor, layout_type, state_type
+from .mesh_context import active, axis_names, group
+from .redistribute import redistribute_per_axis, validate_redistributions
+from .typecheck import spmd_train_context
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+
+    from ...parallel_dims import ParallelDims
+    from ...plan import ShardingPlan
+
+if not hasattr(st, "assert_type"):  # pragma: no cover - a packaging error
+    raise ImportError(
+        "torchtitan_spmd.distributed.representations.spmd_types imported itself instead of the "
+        "spmd_types library; do not run it with its own directory on sys.path."
+    )
+
+__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "SpmdTypesRepresentation"]
+
+#: FSDP2 learned to shard spmd_types-annotated plain tensors in this torch release.
+FSDP_MIN_TORCH: tuple[int, int] = (2, 14)
+
+_DP = "dp"
+#: Marks a parameter whose gradient hook is installed (hooks belong to the tensor object).
+_TP_GRAD_HOOKED = "_torchtitan_spmd_tp_grad_hooked"
+#: The storage axes FSDP shards (the active ones), data-parallel ones first.
+_STORAGE_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def _torch_release() -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+class SpmdTypesRepresentation(TensorRepresentation):
+    """Plain local shards typed with spmd_types; see the package docstring."""
+
+    name: ClassVar[str] = "spmd_types"
+    supports_typechecking: ClassVar[bool] = True
+
+    def __init__(self, parallel_dims: ParallelDims) -> None:
+        super().__init__(parallel_dims)
+
+    @staticmethod
+    def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
+        return parallel_dims.resolve_mesh(["dp", "cp", "tp"])
+
+    def _live(self) -> list[str]:
+        return [a for a in axis_names(self.forward_mesh) if active(self.forward_mesh, a)]
+
+    # ------------------------------------------------------------------ setup
+    def validate(self, job_config: JobConfig) -> None:
+        super().validate(job_config)
+        self._check_fsdp_support()
+
+    def _check_fsdp_support(self) -> None:
+        pd = self.parallel_dims
+        have = _torch_release()
+        if pd.dp_enabled and have < FSDP_MIN_TORCH:
+            need = ".".join(map(str, FSDP_MIN_TORCH))
+            raise ValueError(describe_unsupported(
+                self.name,
+                f"data-parallel sharding (dp_replicate={pd.dp_replicate}, dp_shard={pd.dp_shard}) "
+                f"on torch {'.'.join(map(str, have))}",
+                f"it needs torch >= {need} (FSDP2's support for spmd_types-annotated plain tensors). "
+                f"Upgrade torch to {need} or newer, or use parallelism.spmd_backend='default'.",
+            ))
+
+    def check_plan(self, plan: ShardingPlan) -> None:
+        validate_redistributions(plan, self._live())
+
+    # ------------------------------------------------------------------ tensors
+    def distribute(self, tensor: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        mesh = self._mesh()
+        value = as_parameter_like(tensor, distribute_tensor(tensor, mesh, layout))
+        annotate(value, *state_type(layout, mesh))
+        if isinstance(value, nn.Parameter):
+            self._sync_tp_grads(value)
+        return value
+
+    def _mesh(self) -> DeviceMesh:
+        if self.forward_mesh is None:
+            raise RuntimeError("spmd_types: no forward mesh (nothing is distributed).")
+        return self.forward_mesh
+
+    def _data_type(self, layout: SpmdLayout) -> tuple[dict[Any, Any], st.PartitionSpec | None]:
+        mesh = self._mesh()
+        full = layout.with_types(dp=S(0)) if active(mesh, _DP) else layout
+        return layout_type(full, mesh, axes=self._live())
+
+    def from_local(self, x: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
+        if self.forward_mesh is not None:
+            annotate(x, *self._data_type(layout))
+        return x
+
+    def _check(self, x: Any, layout: SpmdLayout) -> None:
+        """Under the checker, assert the declared layout on the model axes (all but ``dp``)."""
+        if not isinstance(x, torch.Tensor) or not st.is_type_checking():
+            return
+        mesh = self._mesh()
+        annotate(x, *layout_type(layout, mesh, axes=[a for a in self._live() if a != _DP]))
+
+    def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
+        self._check(x, layout)
+        return x
+
+    def redistribute(self, x: Any, src: SpmdLayout, dst: SpmdLayout, *, where: str) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        self._check(x, src)
+        return redistribute_per_axis(x, self._mesh(), src, dst)
+
+    def depart(self, x: Any, layout: SpmdLayout | None, *, where: str) -> Any:
+        if layout is not None:
+            self._check(x, layout)
+        return x
+
+    def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,
+                     where: str) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def local_forward(*args: Any, **kwargs: Any) -> Any:
+            if not st.is_type_checking():
+                return forward(*args, **kwargs)
+            with st.local():
+                out = forward(*args, **kwargs)
+            annotate(out, *self._data_type(out_layout))  # back to global typing
+            return out
+
+        return local_forward
+
+    def to_local(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def sum_over_batch(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.forward_mesh
+        if mesh is None or not active(mesh, _DP):
+            return x
+        return st.all_reduce(x, group(mesh, _DP), src=P, dst=I)
+
+    # ------------------------------------------------------------------ FSDP and gradients
+    def fsdp_spec(self) -> FsdpSpec | None:
+        """The storage mesh (only axes larger than 1: a size-1 axis in it makes FSDP
+        reject the annotations as incomplete) and its ``DataParallelMeshDims``."""
+        from torch.distributed.fsdp import DataParallelMeshDims
+
+        pd = self.parallel_dims
+        if not pd.dp_enabled:
+            return None
+        self._check_fsdp_support()
+        names = [a for a in _STORAGE_AXES if pd.axis_size(a) > 1]
+        mesh = pd.get_optional_mesh(names, include_singleton_axes=True)
+        assert mesh is not None
+        return FsdpSpec(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(
+            shard="dp_shard" if "dp_shard" in names else None,
+            replicate="dp_replicate" if "dp_replicate" in names else None,
+        ))
+
+    def grad_shard_groups(self, param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+        """The groups of the axes on which ``param`` (hence its gradient) is ``V``, in mesh order."""
+        mesh = self.forward_mesh
+        if mesh is None:
+            return ()
+        by_axis = {st.MeshAxis.of(group(mesh, a)): group(mesh, a) for a in self._live()}
+        types = st.get_local_type(param) if st.has_local_type(param) else {}
+        return tuple(by_axis[a] for a, t in types.items() if t is V and a in by_axis)
+
+    def _sync_tp_grads(self, param: torch.Tensor) -> None:
+        """Without FSDP: sum, over ``tp``, the gradient of a parameter replicated on ``tp``.
+
+        Its gradient is ``P@tp`` (each TP rank holds the contribution of its sequence
+        or vocab shard); FSDP does this itself when it is applied. Once per tensor.
+        """
+        mesh = self.forward_mesh
+        if (self.parallel_dims.dp_enabled or not active(mesh, "tp") or not param.requires_grad
+                or getattr(param, _TP_GRAD_HOOKED, False)):
+            return
+        assert mesh is not None
+        tp = group(mesh, "tp")
+        if st.get_local_type(param).get(st.MeshAxis.of(tp), R) is not R:
+            return
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=tp)
+
+        param.register_post_accumulate_grad_hook(hook)
+        setattr(param, _TP_GRAD_HOOKED, True)
+
+    # ------------------------------------------------------------------ state
+    def materialize(self, model: nn.Module, states: Mapping[str, StateLayout],
+                    device: torch.device | str) -> None:
+        """``to_empty`` replaces parameters and buffers: type them again and re-hook the gradients."""
+        super().materialize(model, states, device)
+        self.reannotate(model, states)
+
+    def reannotate(self, model: nn.Module, states: Mapping[str, StateLayout]) -> int:
+        """Type again every plain state of ``model`` whose annotation is gone (``to_empty()``
+        and re-initialisation replace tensors); returns how many.
+
+        FSDP's DTensor storage is skipped: FSDP restores the types of what it gathers.
+        """
+        if self.forward_mesh is None:
+            return 0
+        count = 0
+        for fqn, state in states.items():
+            module_name, _, name = fqn.rpartition(".")
+            module = model.get_submodule(module_name)
+            t = module._parameters[name] if name in module._parameters else module._buffers.get(name)
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                continue
+            if not st.has_local_type(t):
+                annotate(t, *state_type(state.layout, self.forward_mesh))
+                count += 1
+            if isinstance(t, nn.Parameter):
+                self._sync_tp_grads(t)
+        return count
+
+    def to_dtensor(self, tensor: torch.Tensor, state: StateLayout) -> torch.Tensor:
+        if isinstance(tensor, DTensor) or self.forward_mesh is None:
+            return tensor
+        mesh = self.forward_mesh
+        placements = state.layout.placements(mesh.mesh_dim_names or ())
+        return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=state.global_shape,
+                                  stride=torch.empty(state.global_shape, device="meta").stride())
+
+    # ------------------------------------------------------------------ train step
+    @classmethod
+    def train_context(cls, forward_mesh: DeviceMesh | None, *, loss_parallel: bool,
+                      typechecking: bool) -> AbstractContextManager[None]:
+        # Loss parallelism is the plan's (vocab-sharded logits); nothing to enter here.
+        return spmd_train_context(forward_mesh, typechecking)
+
+
+REPRESENTATION = SpmdTypesRepresentation

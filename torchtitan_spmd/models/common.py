@@ -1,0 +1,305 @@
+"""Building blocks the decoder families share: norms, RoPE, SwiGLU, SDPA, the decoder shell, init.
+
+The module tree mirrors torchtitan's decoders, so sharding plans written against
+torchtitan's fully-qualified names apply unchanged::
+
+    Decoder
+    ├── tok_embeddings            nn.Embedding(vocab_size, dim)
+    ├── layers                    nn.ModuleDict {"0": block, "1": ...} (the family's block)
+    ├── norm                      RMSNorm(dim)
+    ├── output                    nn.Linear(dim, vocab_size, bias=False)
+    └── buffers rope_cos, rope_sin  [max_seq_len, head_dim // 2], non-persistent
+
+Tensor-parallel friendliness: every module derives head counts, batch size and
+sequence length from the shapes of the tensors it receives (``view(..., -1,
+head_dim)``), never from the config, so the same code runs on column- and
+row-sharded weights.
+
+Initialisation is a function of ``(seed, tensor name)`` only
+(:meth:`Decoder.initial_value`): each parameter is drawn from its own
+``torch.Generator``, so the full weights are bit-identical whatever the
+construction order, the device the model was built on, or the parallel layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+
+__all__ = [
+    "INIT_STD",
+    "Decoder",
+    "DecoderBlock",
+    "FeedForward",
+    "GroupedQueryAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "ScaledDotProductAttention",
+    "check_positive_ints",
+    "check_tp_divisible",
+    "count_parameters",
+    "param_seed",
+    "precompute_rope",
+    "repeat_kv",
+]
+
+#: Standard deviation of the normal init of embeddings and linears.
+INIT_STD = 0.02
+
+
+def check_positive_ints(owner: str, values: Mapping[str, object]) -> None:
+    """Raise ValueError naming ``owner.field`` for any value that is not a positive int."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def check_tp_divisible(sizes: Mapping[str, int], job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError for the first of ``sizes`` (``what -> size``) that TP does not divide.
+
+    With sequence parallelism, ``training.seq_len`` must divide too. No-op without TP.
+    """
+    if not parallel_dims.tp_enabled:
+        return
+    checks = dict(sizes)
+    if job_config.parallelism.enable_sequence_parallel:
+        checks["training.seq_len"] = job_config.training.seq_len
+    tp = parallel_dims.tp
+    for what, value in checks.items():
+        if value % tp:
+            raise ValueError(f"{what}={value} is not divisible by parallelism.tensor_parallel_degree={tp}.")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
+
+    The normalisation is computed in float32 and cast back to the input dtype
+    before the (learned) scale is applied. Written out by hand rather than using
+    ``nn.RMSNorm`` so the numerics do not change across torch versions.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its last dimension."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables ``(cos, sin)``, each float32 of shape ``[max_seq_len, head_dim // 2]``.
+
+    Row ``p`` holds the angles ``p * theta ** (-2i / head_dim)`` for
+    ``i = 0 .. head_dim/2 - 1``. Computed in float64 (on CPU), then rounded.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    positions = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Repeat each kv head ``n_rep`` times: ``[b, s, kv, d] -> [b, s, kv * n_rep, d]``.
+
+    Query head ``h`` is paired with kv head ``h // n_rep``, so a contiguous block of
+    query heads and the matching block of kv heads stay together under column sharding.
+    """
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv, head_dim = x.shape
+    return x.unsqueeze(3).expand(bs, seqlen, n_kv, n_rep, head_dim).reshape(bs, seqlen, n_kv * n_rep, head_dim)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal SDPA over ``[batch, heads, seq, head_dim]`` tensors.
+
+    A module of its own so a sharding plan can declare it a local region (DTensor
+    has no sharding rule for it on every device), and a context-parallel
+    technique can replace its body.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal mask) v``."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``rope(x [batch, seq, heads, head_dim], cos, sin) -> x rotated``."""
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal grouped-query self-attention with RoPE and optional per-head QK RMSNorm.
+
+    ``wq``/``wk``/``wv``/``wo`` (no bias), ``q_norm``/``k_norm`` (``RMSNorm(head_dim)``,
+    when ``qk_norm_eps`` is given: applied per head before RoPE) and ``sdpa``. Head
+    counts are inferred from the (possibly local, column-sharded) outputs of
+    ``wq``/``wk``; only ``head_dim`` is fixed.
+    """
+
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
+                 qk_norm_eps: float | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope = rope
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, rope_cos, rope_sin), self.rope(k, rope_cos, rope_sin)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the feed-forward to ``x`` ``[..., dim]``."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
+
+    ``attention(x, rope_cos, rope_sin)`` is the family's attention module.
+    """
+
+    def __init__(self, layer_id: int, attention: nn.Module, *, dim: int, hidden_dim: int, norm_eps: float) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[batch, seq, dim]``."""
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of tensor ``name`` under model seed ``seed``.
+
+    A stable 63-bit hash (BLAKE2b) of ``"{seed}/{name}"``: independent of Python's
+    hash randomisation, of construction order and of the process.
+    """
+    digest = hashlib.blake2b(f"{int(seed)}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Decoder(nn.Module):
+    """A pre-norm decoder: ``tokens [batch, seq] -> logits [batch, seq, vocab]`` (float32).
+
+    Families give the config (``dim``, ``n_layers``, ``vocab_size``, ``norm_eps``,
+    ``head_dim``, ``max_seq_len``, ``rope_theta``) and the block factory. No loss
+    is computed inside the model. ``forward`` slices the RoPE tables with the
+    global sequence length of ``tokens`` and passes them to every block.
+    """
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, config: object, block: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)  # type: ignore[attr-defined]
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(c.n_layers)})  # type: ignore[attr-defined]
+        self.norm = RMSNorm(c.dim, eps=c.norm_eps)  # type: ignore[attr-defined]
+        self.output = nn.Linear(c.dim, c.vocab_size, bias=False)  # type: ignore[attr-defined]
+        cos, sin = self._rope_tables()
+        device = self.output.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return precompute_rope(c.head_dim, c.max_seq_len, c.rope_theta)  # type: ignore[attr-defined]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) ``[batch, seq, vocab]`` for int64 ``tokens`` ``[batch, seq]``."""
+        seqlen, limit = tokens.shape[1], self.config.max_seq_len  # type: ignore[attr-defined]
+        if seqlen > limit:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={limit}")
+        rope_cos, rope_sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, rope_cos, rope_sin)
+        return self.output(self.norm(h)).float()
+
+    def init_std(self, name: str) -> float:
+        """Standard deviation of the normal init of weight matrix ``name``.
+
+        ``INIT_STD`` everywhere, except the residual-stream projections
+        ``attention.wo`` and ``feed_forward.w2``, scaled by ``1 / sqrt(2 * n_layers)``
+        (GPT-2 style depth scaling).
+        """
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return INIT_STD / math.sqrt(2 * self.config.n_layers)  # type: ignore[attr-defined]
+        return INIT_STD
+
+    def initial_value(self, fqn: str, shape: Sequence[int], seed: int) -> torch.Tensor:
+        """The full initial value (CPU, float32) of parameter or buffer ``fqn`` of full ``shape``.
+
+        Vectors (norm weights) are ones; matrices ``normal(0, init_std(fqn))`` from a
+        ``torch.Generator`` seeded with :func:`param_seed(seed, fqn) <param_seed>`;
+        the RoPE buffers their tables. Depends only on ``seed``, ``fqn`` and the config.
+        """
+        if fqn in ("rope_cos", "rope_sin"):
+            return self._rope_tables()[0 if fqn == "rope_cos" else 1]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=torch.float32)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(param_seed(seed, fqn))
+        values = torch.empty(shape, dtype=torch.float32)
+        return values.normal_(mean=0.0, std=self.init_std(fqn), generator=gen)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """(Re)initialise every parameter and the RoPE buffers of an unsharded model, in place."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            tensor.copy_(self.initial_value(name, tensor.shape, seed))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Total number of elements over ``model.parameters()`` (shared ones counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,78 @@
+"""The sharding plan of a :class:`~torchtitan_spmd.models.common.Decoder`: Megatron TP + SP + loss parallel.
+
+Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under every backend:
+
+- colwise ``wq``/``wk``/``wv``/``w1``/``w3`` (weight ``S(0)@tp``), rowwise ``wo``/``w2``
+  (weight ``S(1)@tp``, partial output reduced to the residual layout);
+- sequence-parallel norms (input and output ``S(1)@tp``, weight replicated);
+- vocab-parallel ``output`` (weight ``S(0)@tp``, logits ``S(2)@tp``) with loss
+  parallel; without it the logits are gathered to ``I@tp`` (every TP rank then
+  computes the same loss);
+- replicated RoPE tables and a replicated token embedding;
+- attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``).
+
+With sequence parallel off, the residual stream is replicated (``R@tp``) instead of
+``S(1)@tp``, and rowwise outputs are all-reduced instead of reduce-scattered.
+Families add the plans of their own modules (``extra``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torchtitan_spmd.distributed.layout import I, P, S, SpmdLayout
+from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
+
+__all__ = ["HEADS", "decoder_plan"]
+
+#: Attention heads after the split ``[batch, seq, heads/tp, head_dim]``.
+HEADS = SpmdLayout({"tp": S(2)})
+
+
+def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
+                 extra: Mapping[str, ModulePlan] | None = None) -> ShardingPlan:
+    """The TP plan of a decoder, plus the family's ``extra`` module plans."""
+    replicated = SpmdLayout()
+    residual = SpmdLayout({"tp": S(1)}) if sequence_parallel else replicated
+    features = SpmdLayout({"tp": S(2)})  # [batch, seq, features/tp]
+    heads_first = SpmdLayout({"tp": S(1)})  # [batch, heads/tp, seq, head_dim]
+    partial = SpmdLayout({"tp": P})
+    vocab = SpmdLayout({"tp": S(2)})  # [batch, seq, vocab/tp]
+    colwise = ModulePlan(params={"weight": SpmdLayout({"tp": S(0)})}, inputs=(replicated,), output=features)
+    rowwise = ModulePlan(
+        params={"weight": SpmdLayout({"tp": S(1)})},
+        inputs=(features,),
+        output=Redistribute(partial, residual),
+    )
+    norm = ModulePlan(params={"weight": replicated}, inputs=(residual,), output=residual)
+    gather_residual = Redistribute(residual, replicated)
+    modules: dict[str, ModulePlan] = {
+        "": ModulePlan(params={"rope_cos": replicated, "rope_sin": replicated}),
+        "tok_embeddings": ModulePlan(
+            params={"weight": replicated},
+            inputs=(replicated,),
+            output=Redistribute(replicated, residual),
+        ),
+        "layers.*.attention_norm": norm,
+        "layers.*.ffn_norm": norm,
+        "layers.*.attention": ModulePlan(inputs=(gather_residual, replicated, replicated), output=residual),
+        "layers.*.attention.wq": colwise,
+        "layers.*.attention.wk": colwise,
+        "layers.*.attention.wv": colwise,
+        "layers.*.attention.sdpa": ModulePlan(
+            inputs=(heads_first, heads_first, heads_first), output=heads_first, local_compute=True
+        ),
+        "layers.*.attention.wo": rowwise,
+        "layers.*.feed_forward": ModulePlan(inputs=(gather_residual,), output=residual),
+        "layers.*.feed_forward.w1": colwise,
+        "layers.*.feed_forward.w3": colwise,
+        "layers.*.feed_forward.w2": rowwise,
+        "norm": norm,
+        "output": ModulePlan(
+            params={"weight": SpmdLayout({"tp": S(0)})},
+            inputs=(gather_residual,),
+            output=vocab if loss_parallel else Redistribute(vocab, SpmdLayout({"tp": I})),
+        ),
+        **(extra or {}),
+    }
+    return ShardingPlan(modules=modules, mesh_axes=("tp",), output_module="output", fsdp_units=("layers.*",))

@@ -1,0 +1,73 @@
+"""The ``llama3`` family: a Llama-3-style decoder, its sharding plan, flavours and validation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchtitan_spmd.models import ModelSpec
+from torchtitan_spmd.models.common import check_tp_divisible
+
+from .model import (
+    Attention,
+    LlamaConfig,
+    Transformer,
+    TransformerBlock,
+    apply_rotary_emb,
+    ffn_hidden_dim,
+)
+from .plan import llama3_plan
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+
+__all__ = [
+    "FLAVORS",
+    "MODEL_SPEC",
+    "Attention",
+    "LlamaConfig",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary_emb",
+    "build_model",
+    "ffn_hidden_dim",
+    "llama3_plan",
+    "validate",
+]
+
+#: Named model sizes. ``debugmodel`` is the same order as torchtitan's llama3
+#: debugmodel (~6M parameters); ``tiny`` is for fast tests. The vocabulary of
+#: both matches :class:`torchtitan_spmd.data.Tokenizer` (320 ids).
+FLAVORS: dict[str, LlamaConfig] = {
+    "debugmodel": LlamaConfig(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=320, multiple_of=256,
+        ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=2048,
+    ),
+    "tiny": LlamaConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=64,
+        ffn_dim_multiplier=None, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=512,
+    ),
+}
+
+
+def validate(config: LlamaConfig, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError when tensor parallelism cannot shard ``config`` evenly."""
+    check_tp_divisible({
+        "model n_heads": config.n_heads,
+        "model n_kv_heads": config.kv_heads,
+        "model ffn hidden dim": config.ffn_hidden_dim,
+        "vocab size": config.vocab_size,
+    }, job_config, parallel_dims)
+
+
+MODEL_SPEC = ModelSpec(
+    name="llama3",
+    flavors=FLAVORS,
+    build=Transformer,
+    sharding_plan=llama3_plan,
+    validate=validate,
+)
+
+
+#: ``build_model(flavor, *, seed, vocab_size=None)``: full-size on CPU, initialised (tests, notebooks).
+build_model = MODEL_SPEC.build_initialized

@@ -1,0 +1,27 @@
+"""The Qwen3 sharding plan: the decoder plan plus the per-head QK norms.
+
+The QK norms see the heads after the split, ``[batch, seq, heads/tp, head_dim]``
+(``S(2)@tp``, whether or not sequence parallelism is on), and normalise over the
+unsharded ``head_dim`` with a replicated scale: no collective.
+"""
+
+from __future__ import annotations
+
+from torchtitan_spmd.distributed.layout import SpmdLayout
+from torchtitan_spmd.distributed.plan import ModulePlan, ShardingPlan
+from torchtitan_spmd.models.decoder_plan import HEADS, decoder_plan
+
+from .model import Qwen3Config
+
+__all__ = ["qwen3_plan"]
+
+
+def qwen3_plan(config: Qwen3Config | None = None, *, sequence_parallel: bool = True,
+               loss_parallel: bool = True) -> ShardingPlan:
+    """The TP plan of :class:`~torchtitan_spmd.models.qwen3.model.Qwen3Model` (any flavour)."""
+    qk_norm = ModulePlan(params={"weight": SpmdLayout()}, inputs=(HEADS,), output=HEADS)
+    return decoder_plan(
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        extra={"layers.*.attention.q_norm": qk_norm, "layers.*.attention.k_norm": qk_norm},
+    )

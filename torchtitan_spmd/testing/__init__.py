@@ -1,1 +1,0 @@
-"""Test utilities shipped with the library so forks can reuse them."""
