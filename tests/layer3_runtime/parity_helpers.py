@@ -80,6 +80,21 @@ def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
     return world // tp
 
 
+def skip_full_dtensor_on_old_torch(*, dp_enabled: bool, loss_parallel: bool) -> None:
+    """Skip a full_dtensor run that needs a newer torch than this one, naming the version."""
+    import pytest
+    import torch
+
+    from torchtitan_spmd.distributed import full_dtensor as fd
+
+    if dp_enabled and fd.DataParallelMeshDims is None:
+        pytest.skip(f"full_dtensor with data parallelism needs torch >= {fd.FSDP_MIN_TORCH} "
+                    f"(fully_shard(dp_mesh_dims=...)); this is torch {torch.__version__}")
+    if loss_parallel and not fd._MULTI_DIM_LOSS_PARALLEL:
+        pytest.skip(f"full_dtensor's loss parallel needs torch >= {fd.LOSS_PARALLEL_MIN_TORCH} "
+                    f"(loss_parallel() on a multi-dimensional mesh); this is torch {torch.__version__}")
+
+
 def max_rel(a: list[float], b: list[float]) -> float:
     """Largest relative difference between two equal-length series."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

@@ -72,7 +72,9 @@ def test_tp_degree_must_divide_the_model(backend: str) -> None:
 
     def make(rank: int, world: int) -> str:
         try:
-            Trainer(_cfg(backend, tensor_parallel_degree=3, data_parallel_shard_degree=1))
+            # Loss parallel off: full_dtensor on torch 2.11 refuses it before this check.
+            Trainer(_cfg(backend, tensor_parallel_degree=3, data_parallel_shard_degree=1,
+                         disable_loss_parallel=True))
         except ValueError as err:
             return str(err)
         return "no error"

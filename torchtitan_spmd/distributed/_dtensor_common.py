@@ -49,6 +49,15 @@ def dtensor_clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
+    # Reduce Partial gradients (replicated parameters under sequence parallel) here,
+    # once, so the optimizer only sees Replicate ones: torch 2.11's DTensor AdamW
+    # mis-updates from a Partial gradient (norm weights 2e-5 off after two steps).
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(
+                g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            )
     total = dtensor_global_grad_norm([p.grad for p in params])  # type: ignore[misc]
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))  # type: ignore[union-attr]

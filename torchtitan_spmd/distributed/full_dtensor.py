@@ -27,8 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.fsdp import fully_shard
+
+try:  # fully_shard(dp_mesh_dims=...) for DTensor parameters on the dense mesh: torch >= 2.13
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11: full_dtensor runs without data parallelism only
+    DataParallelMeshDims = None  # type: ignore[assignment,misc]
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.torch_version import TorchVersion
 
 from ._dtensor_common import (
     clear_dtensor_sharding_caches,
@@ -36,7 +42,7 @@ from ._dtensor_common import (
     maybe_loss_parallel,
     set_module_tensor,
 )
-from .backends import SpmdBackendRuntime, reject_unimplemented_parallelism
+from .backends import SpmdBackendRuntime, describe_unsupported, reject_unimplemented_parallelism
 from .layout import SpmdLayout
 from .plan import ModulePlan, ShardingPlan, boundary_dst, boundary_src
 
@@ -54,6 +60,11 @@ __all__ = [
     "validate_config",
 ]
 
+#: The torch that first has FSDP's ``DataParallelMeshDims`` (checked: 2.11 lacks it).
+FSDP_MIN_TORCH = "2.13"
+#: The torch whose ``loss_parallel()`` takes a multi-dimensional mesh (2.11's: 1-D only).
+LOSS_PARALLEL_MIN_TORCH = "2.13"
+_MULTI_DIM_LOSS_PARALLEL = TorchVersion(torch.__version__) >= LOSS_PARALLEL_MIN_TORCH
 _DP_AXES = ("dp_replicate", "dp_shard")
 _MODEL_AXES = ("cp", "tp")
 
@@ -76,12 +87,35 @@ def validate_config(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     reject_unimplemented_parallelism(
         "full_dtensor", parallel_dims, cp_what="context parallelism under SDPA attention"
     )
+    _check_fsdp_support(parallel_dims)
+    loss_parallel = parallel_dims.tp_enabled and not job_config.parallelism.disable_loss_parallel
+    if loss_parallel and not _MULTI_DIM_LOSS_PARALLEL:
+        raise ValueError(describe_unsupported(
+            "full_dtensor",
+            f"loss parallel (tensor_parallel_degree={parallel_dims.tp}) on torch {torch.__version__}",
+            f"it needs torch >= {LOSS_PARALLEL_MIN_TORCH} (loss_parallel() on the multi-axis "
+            "mesh). Set parallelism.disable_loss_parallel=True, or upgrade torch.",
+        ))
+
+
+def _check_fsdp_support(parallel_dims: ParallelDims) -> None:
+    """Data parallelism needs ``fully_shard(dp_mesh_dims=...)``: a clear error where it is missing."""
+    if parallel_dims.dp_enabled and DataParallelMeshDims is None:
+        raise ValueError(describe_unsupported(
+            "full_dtensor",
+            f"data-parallel sharding (dp_replicate={parallel_dims.dp_replicate}, "
+            f"dp_shard={parallel_dims.dp_shard}) on torch {torch.__version__}",
+            f"it needs torch >= {FSDP_MIN_TORCH} (FSDP2's fully_shard(dp_mesh_dims="
+            f"DataParallelMeshDims(...)) for DTensor parameters). Upgrade torch to "
+            f"{FSDP_MIN_TORCH} or newer, or use parallelism.spmd_backend='default'.",
+        ))
 
 
 def resolve_fsdp_mesh(parallel_dims: ParallelDims) -> tuple[DeviceMesh, DataParallelMeshDims] | None:
     """The storage mesh and data-parallel dims for ``fully_shard``, or None without DP."""
     if not parallel_dims.dp_enabled:
         return None
+    _check_fsdp_support(parallel_dims)
     mesh = spmd_mesh(parallel_dims)
     names = mesh.mesh_dim_names or ()
     shard = "dp_shard" if "dp_shard" in names else None
