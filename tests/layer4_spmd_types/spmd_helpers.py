@@ -52,9 +52,9 @@ __all__ = [
 
 
 def torch_at_least(major: int, minor: int) -> bool:
-    from torchtitan_spmd.distributed.spmd_types import torch_version
+    from torchtitan_spmd.testing.versions import torch_at_least as at_least
 
-    return torch_version() >= (major, minor)
+    return at_least(f"{major}.{minor}")
 
 
 def _train_mixed(rank: int, world: int, cfg: Any, typed_steps: int) -> list[tuple[float, float, float, bool]]:
