@@ -85,6 +85,20 @@ def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
     return world // tp
 
 
+def skip_full_dtensor_on_old_torch(backend: str, config_name: str) -> None:
+    """Skip a full_dtensor run of ``PARITY_CONFIGS[config_name]`` that needs a newer torch, naming it."""
+    import pytest
+    import torch
+
+    from torchtitan_spmd.distributed.representations import full_dtensor as fd
+
+    world, parallelism = PARITY_CONFIGS[config_name]
+    if (backend == "full_dtensor" and data_parallel_degree(parallelism, world) > 1
+            and fd.DataParallelMeshDims is None):
+        pytest.skip(f"full_dtensor with data parallelism needs torch >= {fd.FSDP_MIN_TORCH} "
+                    f"(fully_shard(dp_mesh_dims=...)); this is torch {torch.__version__}")
+
+
 def max_rel(a: list[float], b: list[float]) -> float:
     """Largest relative difference between two equal-length series."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from parity_helpers import PARITY_CONFIGS, job_config, warm_parent
+from parity_helpers import PARITY_CONFIGS, job_config, skip_full_dtensor_on_old_torch, warm_parent
 from torch import nn
 
 from torchtitan_spmd.launcher import run_forked
@@ -45,6 +45,7 @@ def check_views_match_single_process_init(backend: str, config_name: str, model:
 
     Returns the ``(tensor type, view type)`` pairs seen.
     """
+    skip_full_dtensor_on_old_torch(backend, config_name)
     warm_parent()
     world = PARITY_CONFIGS[config_name][0]
     results = run_forked(_views_of_the_trainer, world, backend, config_name, model, timeout_s=300)

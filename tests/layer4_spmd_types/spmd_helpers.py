@@ -30,6 +30,7 @@ from parity_helpers import (  # noqa: E402
     run_config,
     warm_parent,
 )
+from version_helpers import requires_torch, torch_at_least  # noqa: E402
 
 import torchtitan_spmd.distributed.representations.spmd_types  # noqa: E402,F401  (import once, before forking)
 from torchtitan_spmd.launcher import run_forked  # noqa: E402
@@ -45,20 +46,11 @@ __all__ = [
     "reference",
     "run_config",
     "in_child",
+    "requires_torch",
     "run_mixed",
     "torch_at_least",
     "warm_parent",
 ]
-
-
-def torch_at_least(major: int, minor: int) -> bool:
-    import re
-
-    import torch
-
-    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    assert match is not None, torch.__version__
-    return (int(match.group(1)), int(match.group(2))) >= (major, minor)
 
 
 def _train_mixed(rank: int, world: int, cfg: Any, typed_steps: int) -> list[tuple[float, float, float, bool]]:

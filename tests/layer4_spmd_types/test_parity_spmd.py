@@ -34,7 +34,7 @@ TYPED_STEPS = 1
 def test_spmd_types_parity_with_single_process(config_name: str) -> None:
     world, parallelism = PARITY_CONFIGS[config_name]
     dp = data_parallel_degree(parallelism, world)
-    if dp > 1 and not torch_at_least(2, 14):
+    if dp > 1 and not torch_at_least("2.14"):
         pytest.skip("FSDP over spmd_types-annotated tensors needs torch >= 2.14")
     ref = reference(LOCAL_BATCH * dp)
     cfg = job_config("spmd_types", parallelism, spmd_typechecking=True)

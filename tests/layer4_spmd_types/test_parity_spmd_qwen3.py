@@ -18,7 +18,7 @@ TYPED_STEPS = 1
 @pytest.mark.parametrize("config_name", QWEN3_CONFIGS)
 def test_qwen3_spmd_types_parity_with_single_process(config_name: str) -> None:
     world, parallelism = PARITY_CONFIGS[config_name]
-    if data_parallel_degree(parallelism, world) > 1 and not torch_at_least(2, 14):
+    if data_parallel_degree(parallelism, world) > 1 and not torch_at_least("2.14"):
         pytest.skip("FSDP over spmd_types-annotated tensors needs torch >= 2.14")
     cfg = job_config("spmd_types", parallelism, model="qwen3", spmd_typechecking=True)
     got = run_mixed(cfg, world, typed_steps=TYPED_STEPS)

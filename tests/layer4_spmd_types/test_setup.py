@@ -14,7 +14,7 @@ import pytest
 import spmd_types as st
 import torch
 import torch.distributed as dist
-from spmd_helpers import in_child, torch_at_least
+from spmd_helpers import in_child, requires_torch
 from spmd_types import I, P, R, S, V
 from torch import nn
 
@@ -38,8 +38,8 @@ from torchtitan_spmd.models.qwen3 import qwen3_plan
 
 pytestmark = pytest.mark.backend("spmd_types")
 
-needs_fsdp = pytest.mark.skipif(not torch_at_least(2, 14),
-                                reason="FSDP over spmd_types-annotated tensors needs torch >= 2.14")
+#: FSDP2 over spmd_types-annotated plain tensors (FACTS: absent from 2.13.0).
+needs_fsdp = requires_torch("2.14", "FSDP over spmd_types-annotated tensors")
 
 
 @pytest.fixture
@@ -136,7 +136,8 @@ def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int],
     assert "torch >= 2.14" in msg and "torch 2.13" in msg and "dp_shard=2" in msg, msg
 
 
-@pytest.mark.parametrize("version", ["2.14.1+cu130", "2.15.0a0+git1234", "3.0.0"])
+@pytest.mark.parametrize(
+    "version", ["2.14.1+cu130", "2.14.0a0+git1234", "2.14.0.dev20260601", "2.15.0a0+git1234", "3.0.0"])
 def test_new_enough_torch_with_data_parallel_is_fine(fake_world: Callable[[int], None],
                                                      monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     fake_world(4)

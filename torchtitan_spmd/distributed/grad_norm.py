@@ -23,14 +23,20 @@ from .representation import TensorRepresentation
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
 
+def _without_partial(g: DTensor) -> DTensor:
+    """``g`` with its pending sums (``Partial`` placements) reduced to ``Replicate``."""
+    if not any(p.is_partial() for p in g.placements):
+        return g
+    return g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+
+
 def _local_and_groups(param: torch.Tensor, representation: TensorRepresentation,
                       ) -> tuple[torch.Tensor, tuple[dist.ProcessGroup, ...]]:
     g = param.grad
     assert g is not None
     if not isinstance(g, DTensor):
         return g, representation.grad_shard_groups(param)
-    if any(p.is_partial() for p in g.placements):  # pending sums: reduce them first
-        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    g = _without_partial(g)
     groups = tuple(
         g.device_mesh.get_group(i) for i, p in enumerate(g.placements)
         if not p.is_replicate() and g.device_mesh.size(i) > 1
@@ -63,8 +69,17 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorR
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     representation: TensorRepresentation) -> float:
-    """Clip gradients in place to ``max_norm`` over the global norm (0: no clipping); return the norm."""
+    """Clip gradients in place to ``max_norm`` over the global norm (0: no clipping); return the norm.
+
+    ``Partial`` DTensor gradients (replicated parameters under sequence parallel, e.g.
+    the norm weights) are reduced here, in place and once, so the optimizer only sees
+    ``Replicate`` ones: torch 2.11's DTensor AdamW mis-updates from a ``Partial``
+    gradient (2e-5 off after two steps). The norm needs that reduction anyway.
+    """
     params = [p for p in parameters if p.grad is not None]
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            p.grad = _without_partial(p.grad)
     total = global_grad_norm(params, representation)
     if params and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat hook
 from torchtitan_spmd.config import SPMD_BACKEND_ALIASES, SPMD_BACKENDS
 
+from . import _mesh_compat
 from .layout import SpmdLayout
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ class ParallelDims:
     _meshes: dict[tuple[str, ...], DeviceMesh] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _groups: dict[tuple[_FlatLayout, str | None], str] = field(
+    _groups: dict[tuple[_mesh_compat.AxisLayout, str | None], str] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -393,7 +393,7 @@ class ParallelDims:
             return True
         return self.axis_size(_AXES[name].activated_by or name) > 1
 
-    def _axis_layout(self, axis: str) -> _FlatLayout:
+    def _axis_layout(self, axis: str) -> _mesh_compat.AxisLayout:
         recipe = _AXES[axis]
         # Row-major: a base axis' stride is the product of the degrees inside it.
         strides = {
@@ -401,12 +401,10 @@ class ParallelDims:
             for i, base in enumerate(_BASE_AXES)
         }
         sizes = tuple(getattr(self, b) for b in recipe.span)
-        span = _FlatLayout(sizes, tuple(strides[b] for b in recipe.span))
+        span = _mesh_compat.axis_layout(sizes, tuple(strides[b] for b in recipe.span))
         if recipe.ep_part is None:
             return span
-        outer, inner = span.composition(
-            _MeshLayout.from_sizes_strides((math.prod(sizes) // self.ep, self.ep))
-        )
+        outer, inner = _mesh_compat.split_axis(span, math.prod(sizes) // self.ep, self.ep)
         return outer if recipe.ep_part == "outer" else inner
 
     @staticmethod
@@ -493,7 +491,10 @@ class ParallelDims:
         """A mesh over ``axes``, a view of ``root``'s ranks, using the pooled groups."""
         mesh = DeviceMesh(
             str(self.device_type),
-            _layout=_MeshLayout([self._axis_layout(a) for a in axes]),
+            _layout=_mesh_compat.mesh_layout(
+                [self._axis_layout(a) for a in axes],
+                flattened=len(axes) == 1 and axes[0] not in _BASE_AXES,
+            ),
             _rank_map=rank_map,
             mesh_dim_names=axes,
             _root_mesh=root,
@@ -525,7 +526,7 @@ class ParallelDims:
                 _ensure_fake_backend_registered()
             # torch's own per-axis creation (new_group per subgroup, or split_group
             # when the default group has a bound device), done once per rank set.
-            name = DeviceMesh._init_one_process_group(layout, rank_map, axis, (backend, None))
+            name = _mesh_compat.init_axis_group(layout, rank_map, axis, backend)
             if name is None:
                 raise RuntimeError(
                     f"ParallelDims: rank {dist.get_rank()} is in no {axis!r} process group."

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.torch_version import TorchVersion
 
 from .layout import SpmdLayout
 
@@ -72,6 +73,7 @@ __all__ = [
     "describe_unsupported",
     "get_representation",
     "representation_module_name",
+    "torch_at_least",
 ]
 
 
@@ -108,6 +110,15 @@ class StateLayout:
 def describe_unsupported(backend: str, what: str, alternative: str) -> str:
     """Uniform wording for setup-time errors about unsupported combinations."""
     return f"spmd_backend={backend!r} does not support {what}; {alternative}"
+
+
+def torch_at_least(minimum: str) -> bool:
+    """Whether the running torch is release ``minimum`` (``"2.14"``) or newer.
+
+    Pre-releases, dev and source builds of ``minimum`` count as it (``2.14.0a0+git...``,
+    ``2.14.0.dev2026...``). Read at call time, so a setup check sees the torch of the process.
+    """
+    return TorchVersion(torch.__version__) >= f"{minimum}.dev0"
 
 
 def as_parameter_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -160,6 +171,33 @@ class TensorRepresentation(ABC):
                 name, "expert parallelism for dense models",
                 "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).",
             ))
+
+    def require_torch(self, minimum: str, what: str, needs: str, instead: str, *,
+                      available: bool | None = None) -> None:
+        """Raise ``ValueError`` at setup unless this torch can run ``what``.
+
+        ``available``: a feature check where torch has one; otherwise the running
+        torch's version decides (:func:`torch_at_least`). The message names the
+        backend, ``what``, the running torch, ``minimum`` and what ``needs`` it.
+        """
+        if available is None:
+            available = torch_at_least(minimum)
+        if not available:
+            raise ValueError(describe_unsupported(
+                self.name, f"{what} on torch {torch.__version__}",
+                f"it needs torch >= {minimum} ({needs}). {instead}",
+            ))
+
+    def require_torch_for_data_parallel(self, minimum: str, needs: str, *,
+                                        available: bool | None = None) -> None:
+        """:meth:`require_torch` for FSDP, when data parallelism is on."""
+        pd = self.parallel_dims
+        if pd.dp_enabled:
+            self.require_torch(
+                minimum, f"data-parallel sharding (dp_replicate={pd.dp_replicate}, dp_shard={pd.dp_shard})",
+                needs, f"Upgrade torch to {minimum} or newer, or use parallelism.spmd_backend='default'.",
+                available=available,
+            )
 
     def check_plan(self, plan: ShardingPlan) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` at setup for plan boundaries this backend cannot run."""

@@ -21,8 +21,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+try:  # fully_shard(dp_mesh_dims=...) for DTensor parameters on the dense mesh: torch >= 2.13
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11: full_dtensor runs without data parallelism only
+    DataParallelMeshDims = None  # type: ignore[assignment,misc]
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
@@ -31,9 +35,14 @@ from ._dtensor import DTensorRepresentation
 if TYPE_CHECKING:
     from torch import nn
 
+    from torchtitan_spmd.config import JobConfig
+
     from ..parallel_dims import ParallelDims
 
-__all__ = ["REPRESENTATION", "FullDTensorRepresentation"]
+__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "FullDTensorRepresentation"]
+
+#: The torch that first has FSDP's ``DataParallelMeshDims`` (2.11 lacks it).
+FSDP_MIN_TORCH = "2.13"
 
 
 class FullDTensorRepresentation(DTensorRepresentation):
@@ -49,6 +58,15 @@ class FullDTensorRepresentation(DTensorRepresentation):
         if mesh is None:
             raise RuntimeError("full_dtensor: ParallelDims built no dp_shard mesh; call build_mesh() first.")
         return mesh
+
+    def validate(self, job_config: JobConfig) -> None:
+        super().validate(job_config)
+        self._check_fsdp_support()
+
+    def _check_fsdp_support(self) -> None:
+        self.require_torch_for_data_parallel(
+            FSDP_MIN_TORCH, "FSDP2's fully_shard(dp_mesh_dims=DataParallelMeshDims(...)) for DTensor "
+            "parameters", available=DataParallelMeshDims is not None)
 
     def distribute(self, tensor: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
         local = distribute_tensor(tensor.detach(), self._mesh(), self.placements(layout, data=False),
@@ -95,6 +113,7 @@ class FullDTensorRepresentation(DTensorRepresentation):
     def fsdp_spec(self) -> FsdpSpec | None:
         if not self.parallel_dims.dp_enabled:
             return None
+        self._check_fsdp_support()
         mesh = self._mesh()
         names = mesh.mesh_dim_names or ()
         dims = DataParallelMeshDims(

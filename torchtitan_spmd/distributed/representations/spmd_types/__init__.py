@@ -32,7 +32,6 @@ Modules: :mod:`.mesh_context` (the library's current mesh), :mod:`.layout_types`
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -51,7 +50,6 @@ from ...representation import (
     StateLayout,
     TensorRepresentation,
     as_parameter_like,
-    describe_unsupported,
 )
 from .layout_types import annotate, distribute_tensor, layout_type, state_type
 from .mesh_context import active, axis_names, group
@@ -73,18 +71,13 @@ if not hasattr(st, "assert_type"):  # pragma: no cover - a packaging error
 __all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "SpmdTypesRepresentation"]
 
 #: FSDP2 learned to shard spmd_types-annotated plain tensors in this torch release.
-FSDP_MIN_TORCH: tuple[int, int] = (2, 14)
+FSDP_MIN_TORCH = "2.14"
 
 _DP = "dp"
 #: Marks a parameter whose gradient hook is installed (hooks belong to the tensor object).
 _TP_GRAD_HOOKED = "_torchtitan_spmd_tp_grad_hooked"
 #: The storage axes FSDP shards (the active ones), data-parallel ones first.
 _STORAGE_AXES = ("dp_replicate", "dp_shard", "tp")
-
-
-def _torch_release() -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 class SpmdTypesRepresentation(TensorRepresentation):
@@ -109,17 +102,8 @@ class SpmdTypesRepresentation(TensorRepresentation):
         self._check_fsdp_support()
 
     def _check_fsdp_support(self) -> None:
-        pd = self.parallel_dims
-        have = _torch_release()
-        if pd.dp_enabled and have < FSDP_MIN_TORCH:
-            need = ".".join(map(str, FSDP_MIN_TORCH))
-            raise ValueError(describe_unsupported(
-                self.name,
-                f"data-parallel sharding (dp_replicate={pd.dp_replicate}, dp_shard={pd.dp_shard}) "
-                f"on torch {'.'.join(map(str, have))}",
-                f"it needs torch >= {need} (FSDP2's support for spmd_types-annotated plain tensors). "
-                f"Upgrade torch to {need} or newer, or use parallelism.spmd_backend='default'.",
-            ))
+        self.require_torch_for_data_parallel(
+            FSDP_MIN_TORCH, "FSDP2's support for spmd_types-annotated plain tensors")
 
     def check_plan(self, plan: ShardingPlan) -> None:
         validate_redistributions(plan, self._live())
@@ -196,12 +180,12 @@ class SpmdTypesRepresentation(TensorRepresentation):
     def fsdp_spec(self) -> FsdpSpec | None:
         """The storage mesh (only axes larger than 1: a size-1 axis in it makes FSDP
         reject the annotations as incomplete) and its ``DataParallelMeshDims``."""
-        from torch.distributed.fsdp import DataParallelMeshDims
-
         pd = self.parallel_dims
         if not pd.dp_enabled:
             return None
         self._check_fsdp_support()
+        from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.13 (checked above)
+
         names = [a for a in _STORAGE_AXES if pd.axis_size(a) > 1]
         mesh = pd.get_optional_mesh(names, include_singleton_axes=True)
         assert mesh is not None

@@ -1,0 +1,93 @@
+"""The nox sessions: a session that collects no test fails; another torch gets its own venv.
+
+The real noxfile runs under the real nox, in a scratch project whose shared venv is
+this interpreter (so nothing is installed) and whose tests are tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytest.importorskip("nox")
+
+_CONFTEST = '''
+def pytest_addoption(parser):
+    parser.addoption("--backend", default="all")
+'''
+
+
+def _noxfile_values(root: Path, torch_spec: str) -> dict[str, str]:
+    """The noxfile's torch pin, shared venv and install stamp, read in a fresh process."""
+    code = (
+        "import json, runpy, sys\n"
+        "m = runpy.run_path(sys.argv[1])\n"
+        "print(json.dumps({'spec': m['TORCH_SPEC'], 'venv': str(m['SHARED_VENV']),\n"
+        "                  'stamp': m['_install_stamp']('cpu'),\n"
+        "                  'range': str(m['shared_venv']('torch>=2.13,<2.14'))}))\n"
+    )
+    env = {**os.environ, "TORCHTITAN_SPMD_TORCH": torch_spec}
+    proc = subprocess.run([sys.executable, "-c", code, str(root / "noxfile.py")], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _scratch_project(tmp_path: Path, test_body: str) -> Path:
+    """A copy of noxfile.py + pyproject.toml whose shared venv runs this interpreter."""
+    root = tmp_path / "proj"
+    (root / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "noxfile.py", root / "noxfile.py")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    (root / "tests" / "conftest.py").write_text(_CONFTEST)
+    (root / "tests" / "test_it.py").write_text(test_body)
+    values = _noxfile_values(root, "")
+    venv = Path(values["venv"])
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / ".torchtitan_spmd-stamp").write_text(values["stamp"])
+    return root
+
+
+def _nox(root: Path, session: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHTITAN_SPMD_TORCH"}
+    return subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), "-s", session],
+        cwd=root, capture_output=True, text=True, timeout=120, env=env,
+    )
+
+
+def test_cpu_tests_fail_when_no_test_is_collected(tmp_path: Path) -> None:
+    root = _scratch_project(tmp_path, "X = 1  # no tests here\n")
+    proc = _nox(root, "cpu_tests(backend='common')")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "no tests ran" in out and "Session cpu_tests(backend='common') failed" in out, out
+
+
+def test_cpu_tests_pass_when_tests_pass(tmp_path: Path) -> None:
+    root = _scratch_project(tmp_path, "def test_ok():\n    assert True\n")
+    proc = _nox(root, "cpu_tests(backend='common')")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "1 passed" in out, out
+
+
+def test_another_torch_gets_its_own_venv() -> None:
+    pinned = _noxfile_values(ROOT, "")
+    assert pinned["spec"] == "torch==2.14.1"
+    assert pinned["venv"] == str(ROOT / ".nox" / "_shared-cpu")
+    other = _noxfile_values(ROOT, "torch==2.11.0")
+    assert other["spec"] == "torch==2.11.0"
+    assert other["venv"] == str(ROOT / ".nox" / "_shared-cpu-torch-2.11.0")
+    assert other["range"] == str(ROOT / ".nox" / "_shared-cpu-torch-2.13-2.14")
+    assert other["stamp"] != pinned["stamp"]
