@@ -266,13 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides += ["--training.device", "cpu"]  # forked ranks talk gloo
         # The base config names spmd_types (each run sets its own backend), so that
         # --debug.spmd_typechecking does not warn about the default backend.
-        base = ConfigManager().parse_args([*overrides, "--parallelism.spmd_backend", "spmd_types"])
+        base = ConfigManager().parse_overrides(JobConfig(), [*overrides, "--parallelism.spmd_backend", "spmd_types"])
         nproc = opts.nproc if opts.nproc is not None else _default_nproc(base)
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}.")
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except SystemExit as err:  # tyro has reported a bad override
+        return int(err.code or 0)
     try:
         result = collect(base, nproc=nproc, backends=backends, launcher=opts.launcher,
                          overrides=overrides)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
 from torchtitan_spmd.distributed.backends import get_backend
@@ -113,6 +113,7 @@ class Trainer:
     """
 
     def __init__(self, job_config: JobConfig) -> None:
+        check_supported(job_config)  # values of features the runtime does not implement yet
         self.job_config = job_config
         self.device_type = _device_type(job_config)
         self._owns_pg = False

@@ -125,14 +125,15 @@ def test_real_torch_version_is_parsed() -> None:
     assert f"{major}.{minor}" in torch.__version__
 
 
-def test_typechecking_with_pipeline_parallel_is_a_config_error() -> None:
+def test_typechecking_with_pipeline_parallel_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
         JobConfig.from_dict({"parallelism": {"spmd_backend": "spmd_types", "pipeline_parallel_degree": 2},
                              "debug": {"spmd_typechecking": True}})
-    with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
-        ConfigManager().parse_args(["--parallelism.spmd_backend", "spmd_types",
-                                    "--parallelism.pipeline_parallel_degree", "2",
-                                    "--debug.spmd_typechecking"])
+    with pytest.raises(SystemExit) as exit_:  # on the command line: tyro's exit 2, with the message
+        ConfigManager().parse_overrides(JobConfig(), ["--parallelism.spmd_backend", "spmd_types",
+                                                      "--parallelism.pipeline_parallel_degree", "2",
+                                                      "--debug.spmd_typechecking"])
+    assert exit_.value.code == 2 and "pipeline_parallel_degree" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- parameters

@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from ._dtensor_common import clear_dtensor_sharding_caches
 from .backends import SpmdBackendRuntime, describe_unsupported, reject_unimplemented_parallelism
-from .layout import SpmdLayout
+from .layout import SpmdLayout, spmd_layout_to_dtensor_placements
 from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ __all__ = [
     "set_current_spmd_mesh",
     "spmd_distribute_tensor",
     "spmd_forward_mesh",
+    "spmd_layout_to_dtensor_placements",
     "spmd_mesh_size",
     "spmd_redistribute_per_axis",
     "spmd_validate_redistributions",
