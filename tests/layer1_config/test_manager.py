@@ -92,9 +92,11 @@ def test_errors_as_torchtitan(short_names: None, args: list[str], exc: type, nee
         assert needle in str(err.value)
 
 
-def test_an_import_error_inside_the_module_is_not_hidden() -> None:
+@pytest.mark.parametrize("module", ["acme_broken", "acme_broken_pkg"])
+def test_an_import_error_inside_the_module_is_not_hidden(module: str) -> None:
+    """The registry (or its package) exists but needs a missing dependency: say that."""
     with pytest.raises(ModuleNotFoundError) as err:
-        parse("--module", "acme_broken", "--config", "broken_debug")
+        parse("--module", module, "--config", "broken_debug")
     assert err.value.name == "acme_missing_dependency"
 
 
