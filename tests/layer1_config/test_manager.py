@@ -92,7 +92,7 @@ def test_errors_as_torchtitan(short_names: None, args: list[str], exc: type, nee
         assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("module", ["acme_broken", "acme_broken_pkg"])
+@pytest.mark.parametrize("module", ["acme_broken", "acme_broken_pkg", "acme_broken_pkg.models"])
 def test_an_import_error_inside_the_module_is_not_hidden(module: str) -> None:
     """The registry (or its package) exists but needs a missing dependency: say that."""
     with pytest.raises(ModuleNotFoundError) as err:
