@@ -203,6 +203,11 @@ def test_migrate_path_reports_without_writing(fork: Path) -> None:
             'from torchtitan_spmd.distributed import ParallelDims as PD\nPD(spmd_backend="full_dtensor")',
         ),
         ("ns = SimpleNamespace(tp=1, full_dtensor=False)", 'ns = SimpleNamespace(tp=1, spmd_backend="default")'),
+        (
+            "class ParallelDims:\n    @classmethod\n    def from_config(cls, c):\n        return cls(full_dtensor=c.flag)",
+            'class ParallelDims:\n    @classmethod\n    def from_config(cls, c):\n'
+            '        return cls(spmd_backend="full_dtensor" if c.flag else "default")',
+        ),
         # a keyword passed elsewhere: its value is still a config read, now a bool again
         ("f(full_dtensor=cfg.full_dtensor)", 'f(full_dtensor=cfg.spmd_backend == "full_dtensor")'),
         # reads in boolean and expression contexts
@@ -651,6 +656,12 @@ def test_tree_migrates_the_api_and_leaves_and_reports_the_forks_own(
         assert needle.format(f"{package}/") in note, note
     assert main([str(tree)]) == 0  # idempotent
     assert capsys.readouterr().out.strip().splitlines()[-1] == "rewrote 0 file(s)"
+
+
+def test_migrate_path_names_definitions_in_other_files(tree: Path) -> None:
+    migrations = {m.path.name: m for m in migrate_path(tree)}
+    notes = [site.message for site in migrations["train.py"].result.review_sites if site.line == 21]
+    assert len(notes) == 1 and f"declared at {tree / 'acme_fork' / 'simple_fsdp.py'}:13" in notes[0]
 
 
 def _mesh_layer_present() -> bool:
