@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .legacy import LEGACY_KEY as LEGACY
 from .legacy import backend_for
 
 __all__ = [
@@ -376,29 +377,12 @@ def _transformer_class() -> type:
             lpar=[cst.LeftParen(), *node.lpar], rpar=[*node.rpar, cst.RightParen()]
         )
 
-    def own_declaration(node: Any) -> bool:
-        """Whether class ``node`` declares its own ``full_dtensor`` (field, attribute or ``__init__`` parameter)."""
-        body = node.body.body
-        for stmt in body:
-            smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
-            for small in smalls:
-                if isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
-                    if small.target.value == LEGACY:
-                        return True
-                elif isinstance(small, cst.Assign):
-                    if any(isinstance(t.target, cst.Name) and t.target.value == LEGACY for t in small.targets):
-                        return True
-                elif isinstance(small, cst.FunctionDef) and small.name.value == "__init__":
-                    params = small.params
-                    names = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
-                    if LEGACY in names:
-                        return True
-        return False
-
     class Migrator(cst.CSTTransformer):
         METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
 
-        def __init__(self, index: dict[str, Definition], aliases: dict[str, str]) -> None:
+        def __init__(
+            self, index: dict[str, Definition], aliases: dict[str, str], owners: set[str]
+        ) -> None:
             super().__init__()
             self.review_sites: list[ReviewSite] = []
             self._targets: set[int] = set()
@@ -406,6 +390,7 @@ def _transformer_class() -> type:
             self._reads: dict[int, tuple[Any, Any]] = {}
             self._index = index
             self._aliases = aliases
+            self._owners = owners  # classes that declare their own full_dtensor
             # For each enclosing class: its name, and whether `self.full_dtensor` there is
             # the class's own.
             self._classes: list[tuple[str, bool]] = []
@@ -413,7 +398,7 @@ def _transformer_class() -> type:
         # -- classes with their own full_dtensor -------------------------------------
         def visit_ClassDef(self, node: Any) -> None:
             name = node.name.value
-            self._classes.append((name, name not in API_CALLEES and own_declaration(node)))
+            self._classes.append((name, name not in API_CALLEES and name in self._owners))
 
         def leave_ClassDef(self, original: Any, updated: Any) -> Any:
             self._classes.pop()
@@ -639,8 +624,6 @@ def _transformer_class() -> type:
 
 _PYTHON_HINT = re.compile(r"full[-_]dtensor")
 
-LEGACY = "full_dtensor"
-
 #: Callees whose ``full_dtensor=`` keyword is the legacy config spelling: the config
 #: and mesh API (torchtitan_spmd's, or torchtitan's if the tree still has it).
 API_CALLEES = frozenset({"ParallelismConfig", "ParallelDims"})
@@ -798,9 +781,11 @@ def migrate_python(source: str, *, definitions: dict[str, Definition] | None = N
     except (cst.ParserSyntaxError, SyntaxError) as exc:
         raise MigrationError(f"cannot parse Python: {exc}") from exc
     index = {**find_definitions(source), **(definitions or {})}
-    transformer = _transformer_class()(index, _import_aliases(tree))
+    declarations = list(_declarations(tree))
+    owners = {d.owner for d in declarations if d.attribute and d.owner}
+    transformer = _transformer_class()(index, _import_aliases(tree), owners)
     new = cst.MetadataWrapper(module).visit(transformer)
-    declared = [ReviewSite(d.line, _declaration_message(d)) for d in _declarations(tree) if d.what]
+    declared = [ReviewSite(d.line, _declaration_message(d)) for d in declarations if d.what]
     sites = sorted(set(transformer.review_sites) | set(declared), key=lambda s: (s.line, s.message))
     return MigrationResult(new.code, sites)
 
