@@ -293,3 +293,22 @@ def test_to_toml_nests_tables_and_skips_none() -> None:
     text = to_toml(JobConfig())
     assert "[parallelism]\n" in text and "seed" not in text.split("[debug]")[1].split("[")[0]
     assert 'exclude_from_loading = []' in text
+
+
+def test_sections_work_without_tyro_and_the_manager_says_what_is_missing() -> None:
+    """Machines with a preinstalled torch and no package index (GPU boxes) may lack tyro:
+    the sections, and every layer that imports them, must not need it."""
+    code = "\n".join([
+        "import sys",
+        "sys.modules['tyro'] = None  # import tyro -> ImportError",
+        "from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported",
+        "check_supported(JobConfig.from_dict({'parallelism': {'tensor_parallel_degree': 2}}))",
+        "try:",
+        "    ConfigManager()",
+        "except ImportError as err:",
+        "    print(err)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "ConfigManager parses the command line with tyro, which is not installed" in proc.stdout
+    assert "pip install 'tyro>=1.0,<2'" in proc.stdout
