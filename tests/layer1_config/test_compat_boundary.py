@@ -76,7 +76,7 @@ def _library_files() -> list[Path]:
 
 def test_no_legacy_names_outside_compat_hooks() -> None:
     files = _library_files()
-    assert {"configs.py", "manager.py", "parallel_dims.py"} <= {p.name for p in files}
+    assert {"configs.py", "job_config.py", "manager.py"} <= {p.name for p in files}
     leaks = [
         f"{p.relative_to(PACKAGE.parent)}:{line}: {what}"
         for p in files

@@ -36,10 +36,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, get_args
-
-import tyro
-from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
+from typing import TYPE_CHECKING, Any, get_args
 
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
@@ -47,7 +44,10 @@ from ._section import invalid_choice
 from .configs import SPMD_BACKEND_ALIASES, SpmdBackend
 from .job_config import JobConfig
 
-__all__ = ["MODELS_PACKAGE", "ConfigManager", "custom_registry", "short_module_names"]
+if TYPE_CHECKING:
+    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
+
+__all__ = ["MODELS_PACKAGE", "ConfigManager", "short_module_names"]
 
 #: The package whose subpackages' ``config_registry`` modules ``--module NAME`` finds.
 MODELS_PACKAGE = "torchtitan_spmd.models"
@@ -63,13 +63,26 @@ _USAGE = (
 
 
 # --------------------------------------------------------------------------------------
-# tyro rules.
+# tyro (imported on first use: the config sections, and every layer importing them, work
+# without it).
 # --------------------------------------------------------------------------------------
+def _tyro() -> Any:
+    try:
+        import tyro
+        import tyro.constructors
+    except ImportError as exc:
+        raise ImportError(
+            "ConfigManager parses the command line with tyro, which is not installed: "
+            "pip install 'tyro>=1.0,<2' (or pip install torchtitan-spmd)."
+        ) from exc
+    return tyro
+
+
 def _comma_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] | None:
     """``list[str]`` takes one comma-separated value, as in torchtitan."""
     if info.type != list[str]:
         return None
-    return PrimitiveConstructorSpec(
+    return _tyro().constructors.PrimitiveConstructorSpec(
         nargs=1,
         metavar="A,B,C,...",
         instance_from_str=lambda args: [item.strip() for item in args[0].split(",") if item.strip()],
@@ -90,7 +103,7 @@ def _spmd_backend_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any]
             raise invalid_choice("", args[0], choices)
         return value
 
-    return PrimitiveConstructorSpec(
+    return _tyro().constructors.PrimitiveConstructorSpec(
         nargs=1,
         metavar="{" + ",".join(choices) + "}",
         instance_from_str=from_str,
@@ -110,9 +123,22 @@ def _register(registry: ConstructorRegistry) -> None:
     _REGISTERED.add(registry)
 
 
-#: The tyro registry :class:`ConfigManager` parses with (its rules are registered on import).
-custom_registry = ConstructorRegistry()
-_register(custom_registry)
+_CUSTOM_REGISTRY: list[ConstructorRegistry] = []
+
+
+def _custom_registry() -> ConstructorRegistry:
+    """The tyro registry :class:`ConfigManager` parses with, created with its rules on first use."""
+    if not _CUSTOM_REGISTRY:
+        registry = _tyro().constructors.ConstructorRegistry()
+        _register(registry)
+        _CUSTOM_REGISTRY.append(registry)
+    return _CUSTOM_REGISTRY[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "custom_registry":  # torchtitan's module-level name
+        return _custom_registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------
@@ -200,7 +226,7 @@ class ConfigManager:
     """
 
     def __init__(self) -> None:
-        self.register_tyro_rules(custom_registry)
+        self.register_tyro_rules(_custom_registry())
         self.config: Any = None
 
     def parse_args(self, args: Sequence[str] | None = None) -> Any:
@@ -223,7 +249,7 @@ class ConfigManager:
         ``config`` is any dataclass root; it is left unchanged. No ``--module`` is needed.
         """
         args = _legacy.translate_legacy_cli_args(list(args))  # compat hook
-        return tyro.cli(type(config), args=args, default=config, registry=custom_registry)
+        return _tyro().cli(type(config), args=args, default=config, registry=_custom_registry())
 
     def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
         """Strip ``--module``/``--config`` (or ``--job.config_file``); return the config and the rest."""
@@ -238,7 +264,7 @@ class ConfigManager:
                 )
             return self._load_toml(config_file), args
         if module_name is None and config_name is None and {"-h", "--help"} & set(args):
-            tyro.cli(JobConfig, args=["--help"], description=_USAGE, registry=custom_registry)
+            _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry())
         if module_name is None:
             raise ValueError(f"--module is required. {_EXAMPLE}")
         if config_name is None:
