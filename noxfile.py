@@ -151,6 +151,8 @@ def train(session: nox.Session) -> None:
         "--parallelism.tensor_parallel_degree", "2",
         "--training.steps", "50",
     ]
+    if not {"--module", "--job.config_file", "--job.config-file"} & {a.split("=")[0] for a in args}:
+        args = ["--module", "llama3", "--config", "llama3_debugmodel", *args]
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     session.run(*torchrun, "-m", "torchtitan_spmd.train", *args, external=True,
                 env={"OMP_NUM_THREADS": "1"})

@@ -11,10 +11,18 @@ rewrite is mechanical and idempotent: a second run changes nothing.
 - **Python** (``.py``, ``.pyi``; needs ``libcst``, ``pip install torchtitan-spmd[migrate]``),
   formatting and comments preserved:
 
-  - ``f(full_dtensor=True)`` / ``False`` / ``flag`` becomes
-    ``f(spmd_backend="full_dtensor")`` / ``"default"`` /
-    ``"full_dtensor" if flag else "default"``; ``f(full_dtensor=cfg.full_dtensor)``
-    becomes ``f(spmd_backend=cfg.spmd_backend)``;
+  - ``ParallelDims(full_dtensor=True)`` / ``False`` / ``flag`` becomes
+    ``ParallelDims(spmd_backend="full_dtensor")`` / ``"default"`` /
+    ``"full_dtensor" if flag else "default"``, and ``full_dtensor=cfg.full_dtensor``
+    becomes ``spmd_backend=cfg.spmd_backend``; the same for ``ParallelismConfig``
+    (also through an import alias or ``cls(...)`` inside the class) and for
+    ``SimpleNamespace``, which takes any keyword. A ``full_dtensor=`` keyword passed
+    to any other callee is left and reported with ``file:line``: when the tree
+    defines that callee with its own ``full_dtensor`` parameter (a test helper, an
+    experiment's module), renaming the keyword would break the call;
+  - every ``full_dtensor`` declaration (function parameter, dataclass field, class
+    attribute) is left and reported; inside a class that declares its own
+    ``full_dtensor``, ``self.full_dtensor`` is left too;
   - a read of ``x.full_dtensor`` becomes ``x.spmd_backend == "full_dtensor"``
     (parenthesised where precedence needs it) and ``not x.full_dtensor`` becomes
     ``x.spmd_backend != "full_dtensor"``, a site reported for human review;
@@ -38,30 +46,35 @@ path does not exist, ``libcst`` is missing, or a file could not be read or parse
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import functools
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .legacy import LEGACY_KEY as LEGACY
 from .legacy import backend_for
 
 __all__ = [
+    "Definition",
     "FileMigration",
     "MigrationError",
     "MigrationResult",
     "ReviewSite",
     "iter_files",
+    "find_definitions",
     "main",
     "migrate_cli_text",
     "migrate_file",
     "migrate_path",
     "migrate_python",
     "migrate_toml",
+    "tree_definitions",
 ]
 
 PYTHON_SUFFIXES = frozenset({".py", ".pyi"})
@@ -367,12 +380,37 @@ def _transformer_class() -> type:
     class Migrator(cst.CSTTransformer):
         METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
 
-        def __init__(self) -> None:
+        def __init__(
+            self, index: dict[str, Definition], aliases: dict[str, str], owners: set[str]
+        ) -> None:
             super().__init__()
             self.review_sites: list[ReviewSite] = []
             self._targets: set[int] = set()
             # id of each comparison made from a read -> the renamed attribute.
             self._reads: dict[int, tuple[Any, Any]] = {}
+            self._index = index
+            self._aliases = aliases
+            self._owners = owners  # classes that declare their own full_dtensor
+            # For each enclosing class: its name, and whether `self.full_dtensor` there is
+            # the class's own.
+            self._classes: list[tuple[str, bool]] = []
+
+        # -- classes with their own full_dtensor -------------------------------------
+        def visit_ClassDef(self, node: Any) -> None:
+            name = node.name.value
+            self._classes.append((name, name not in API_CALLEES and name in self._owners))
+
+        def leave_ClassDef(self, original: Any, updated: Any) -> Any:
+            self._classes.pop()
+            return updated
+
+        def _is_legacy(self, node: Any) -> bool:
+            """A legacy config attribute: ``x.full_dtensor``, but not a module path and not
+            ``self.full_dtensor`` inside a class that declares its own ``full_dtensor``."""
+            if not is_legacy_attribute(node):
+                return False
+            own = bool(self._classes) and self._classes[-1][1]
+            return not (own and isinstance(node.value, cst.Name) and node.value.value in ("self", "cls"))
 
         # -- helpers ----------------------------------------------------------------
         def _line(self, node: Any) -> int:
@@ -382,7 +420,7 @@ def _transformer_class() -> type:
             self.review_sites.append(ReviewSite(self._line(node), message))
 
         def _mark_targets(self, node: Any, *, whole: bool) -> None:
-            if is_legacy_attribute(node):
+            if self._is_legacy(node):
                 self._targets.add(id(node))
                 if not whole:
                     self._review(node, "assignment to full_dtensor left unchanged; migrate by hand.")
@@ -416,7 +454,7 @@ def _transformer_class() -> type:
 
         # -- stores ------------------------------------------------------------------
         def visit_Assign(self, node: Any) -> None:
-            whole = all(is_legacy_attribute(t.target) for t in node.targets)
+            whole = all(self._is_legacy(t.target) for t in node.targets)
             for target in node.targets:
                 self._mark_targets(target.target, whole=whole)
 
@@ -430,7 +468,7 @@ def _transformer_class() -> type:
             self._mark_targets(node.target, whole=False)
 
         def leave_Assign(self, original: Any, updated: Any) -> Any:
-            if not all(is_legacy_attribute(t.target) for t in original.targets):
+            if not all(self._is_legacy(t.target) for t in original.targets):
                 return updated
             targets = [t.with_changes(target=renamed(t.target)) for t in updated.targets]
             value = self._backend_value(original.value, updated.value)
@@ -438,7 +476,7 @@ def _transformer_class() -> type:
 
         # -- reads -------------------------------------------------------------------
         def leave_Attribute(self, original: Any, updated: Any) -> Any:
-            if not is_legacy_attribute(original) or id(original) in self._targets:
+            if not self._is_legacy(original) or id(original) in self._targets:
                 return updated
             if isinstance(self.get_metadata(ParentNodeProvider, original), cst.MatchValue):
                 self._review(original, "full_dtensor in a match pattern left unchanged; migrate by hand.")
@@ -491,10 +529,28 @@ def _transformer_class() -> type:
             )
 
         # -- keyword arguments -------------------------------------------------------
+        def _callee(self, call: Any) -> str | None:
+            """The called name (``f`` of ``f(...)`` and ``a.b.f(...)``), import aliases resolved;
+            ``cls(...)`` is the enclosing class."""
+            func = getattr(call, "func", None) if isinstance(call, cst.Call) else None
+            if isinstance(func, cst.Name):
+                name = func.value
+                if name == "cls" and self._classes:
+                    return self._classes[-1][0]
+            elif isinstance(func, cst.Attribute):
+                name = func.attr.value
+            else:
+                return None
+            return self._aliases.get(name, name)
+
         def leave_Arg(self, original: Any, updated: Any) -> Any:
             if updated.keyword is None or updated.keyword.value != "full_dtensor":
                 return updated
             parent = self.get_metadata(ParentNodeProvider, original)
+            callee = self._callee(parent)
+            if callee not in API_CALLEES | STAND_IN_CALLEES:
+                self._review(original, _keyword_left_message(callee, self._index.get(callee or "")))
+                return updated
             siblings = getattr(parent, "args", ())
             if any(a.keyword is not None and a.keyword.value == "spmd_backend" for a in siblings):
                 self._review(
@@ -568,13 +624,150 @@ def _transformer_class() -> type:
 
 _PYTHON_HINT = re.compile(r"full[-_]dtensor")
 
+#: Callees whose ``full_dtensor=`` keyword is the legacy config spelling: the config
+#: and mesh API (torchtitan_spmd's, or torchtitan's if the tree still has it).
+API_CALLEES = frozenset({"ParallelismConfig", "ParallelDims"})
+#: Callees that take any keyword, used as stand-ins for a config (e.g. in tests).
+STAND_IN_CALLEES = frozenset({"SimpleNamespace"})
 
-def migrate_python(source: str) -> MigrationResult:
+
+@dataclass(frozen=True)
+class Definition:
+    """A function or class of the tree that takes its own ``full_dtensor`` parameter."""
+
+    name: str
+    kind: str  # "function" or "class"
+    path: str | None
+    line: int  # where ``full_dtensor`` is declared
+
+    def where(self) -> str:
+        """``path:line`` (or ``line N`` when the path is unknown)."""
+        return f"{self.path}:{self.line}" if self.path else f"line {self.line}"
+
+
+def _param_line(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
+    args = fn.args
+    for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+        if arg.arg == LEGACY:
+            return arg.lineno
+    return None
+
+
+def _class_field_line(node: ast.ClassDef) -> int | None:
+    """The line of a ``full_dtensor`` dataclass field or class attribute in ``node``'s body."""
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == LEGACY:
+            return stmt.lineno
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == LEGACY for t in stmt.targets):
+            return stmt.lineno
+    return None
+
+
+@dataclass(frozen=True)
+class _Declaration:
+    name: str  # the callable that takes full_dtensor: a function or a class
+    kind: str  # "function" or "class"
+    line: int
+    what: str  # for the report; empty for a class declared through its __init__ (reported as that)
+    owner: str | None  # the enclosing class
+    attribute: bool  # the class's own self.full_dtensor (a field, or an __init__ parameter)
+
+
+def _declarations(node: ast.AST, owner: str | None = None) -> Iterator[_Declaration]:
+    """Every ``full_dtensor`` declaration under ``node``: parameters, fields, class attributes."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            line = _param_line(child)
+            if line is not None:
+                qualified = f"{owner}.{child.name}" if owner else child.name
+                yield _Declaration(child.name, "function", line, f"parameter full_dtensor of {qualified}()",
+                                   owner, owner is not None and child.name == "__init__")
+            yield from _declarations(child, owner)
+        elif isinstance(child, ast.ClassDef):
+            line = _class_field_line(child)
+            if line is not None:
+                yield _Declaration(child.name, "class", line, f"field full_dtensor of class {child.name}",
+                                   child.name, True)
+            else:
+                init = next(
+                    (s for s in child.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"),
+                    None,
+                )
+                init_line = _param_line(init) if init is not None else None
+                if init_line is not None:
+                    yield _Declaration(child.name, "class", init_line, "", child.name, True)
+            yield from _declarations(child, child.name)
+        else:
+            yield from _declarations(child, owner)
+
+
+def find_definitions(source: str, path: str | None = None) -> dict[str, Definition]:
+    """The functions and classes of ``source`` that take their own ``full_dtensor``, by name.
+
+    A class counts when it declares a ``full_dtensor`` field or class attribute
+    (a dataclass's constructor takes it) or its ``__init__`` has the parameter.
+    Raises :class:`MigrationError` if ``source`` does not parse.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise MigrationError(f"cannot parse Python: {exc}") from exc
+    found: dict[str, Definition] = {}
+    for d in _declarations(tree):
+        found.setdefault(d.name, Definition(d.name, d.kind, path, d.line))
+    return found
+
+
+def _import_aliases(tree: ast.AST) -> dict[str, str]:
+    """``{"PD": "ParallelDims"}`` for ``from ... import ParallelDims as PD`` (API names only)."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.asname and alias.name in API_CALLEES | STAND_IN_CALLEES:
+                    aliases[alias.asname] = alias.name
+    return aliases
+
+
+def _keyword_left_message(callee: str | None, definition: Definition | None) -> str:
+    if definition is not None:
+        return (
+            f"full_dtensor= left unchanged: {callee} is this tree's own {definition.kind} with "
+            f"a full_dtensor parameter (declared at {definition.where()}), not the config API; "
+            "if it mirrors parallelism.full_dtensor, migrate it and its calls together by hand."
+        )
+    return (
+        f"full_dtensor= left unchanged: the callee {callee or '(an expression)'} is neither "
+        "ParallelismConfig nor ParallelDims and is not defined in the migrated files; "
+        "check what it accepts."
+    )
+
+
+def _declaration_message(d: _Declaration) -> str:
+    if d.owner in API_CALLEES:
+        return (
+            f"declaration left unchanged: {d.what} is the legacy field itself; replace it with "
+            "spmd_backend (or import torchtitan_spmd's class) by hand."
+        )
+    inside = f" and self.full_dtensor inside {d.owner}" if d.attribute else ""
+    return (
+        f"declaration left unchanged: {d.what} is this tree's own; calls passing it "
+        f"full_dtensor={inside} are left too."
+    )
+
+
+def migrate_python(source: str, *, definitions: dict[str, Definition] | None = None) -> MigrationResult:
     """Rewrite legacy ``full_dtensor`` uses in Python ``source``, keeping its formatting.
 
     See the module docstring for the conversions. ``review_sites`` lists each
     ``not x.full_dtensor`` that became ``x.spmd_backend != "full_dtensor"`` (it
-    now also covers ``spmd_types``) and every site left for a human.
+    now also covers ``spmd_types``), every ``full_dtensor`` declaration left, and
+    every site left for a human, such as a ``full_dtensor=`` keyword passed to a
+    callee other than ``ParallelismConfig``/``ParallelDims``.
+
+    ``definitions``: the tree's functions and classes with their own
+    ``full_dtensor`` parameter (:func:`find_definitions` over every file), so that
+    a call to one is named in its review note; default: those of ``source``.
 
     Raises :class:`ImportError` naming the ``migrate`` extra if ``libcst`` is
     missing, and :class:`MigrationError` if ``source`` does not parse.
@@ -584,11 +777,16 @@ def migrate_python(source: str) -> MigrationResult:
     cst = _import_libcst()
     try:
         module = cst.parse_module(source)
-    except cst.ParserSyntaxError as exc:
+        tree = ast.parse(source)
+    except (cst.ParserSyntaxError, SyntaxError) as exc:
         raise MigrationError(f"cannot parse Python: {exc}") from exc
-    transformer = _transformer_class()()
+    index = {**find_definitions(source), **(definitions or {})}
+    declarations = list(_declarations(tree))
+    owners = {d.owner for d in declarations if d.attribute and d.owner}
+    transformer = _transformer_class()(index, _import_aliases(tree), owners)
     new = cst.MetadataWrapper(module).visit(transformer)
-    sites = sorted(set(transformer.review_sites), key=lambda s: (s.line, s.message))
+    declared = [ReviewSite(d.line, _declaration_message(d)) for d in declarations if d.what]
+    sites = sorted(set(transformer.review_sites) | set(declared), key=lambda s: (s.line, s.message))
     return MigrationResult(new.code, sites)
 
 
@@ -621,9 +819,37 @@ def iter_files(path: str | os.PathLike[str]) -> Iterator[Path]:
                 yield Path(directory, name)
 
 
-def migrate_file(path: str | os.PathLike[str]) -> FileMigration:
+def _read(path: Path) -> str:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise MigrationError(f"not UTF-8 text: {exc}") from exc
+
+
+def tree_definitions(files: Iterable[str | os.PathLike[str]]) -> dict[str, Definition]:
+    """:func:`find_definitions` over the Python ``files`` (unreadable or unparsable ones skipped)."""
+    found: dict[str, Definition] = {}
+    for file in files:
+        path = Path(file)
+        if path.suffix not in PYTHON_SUFFIXES:
+            continue
+        try:
+            text = _read(path)
+            if _PYTHON_HINT.search(text):
+                for name, definition in find_definitions(text, str(path)).items():
+                    found.setdefault(name, definition)
+        except (MigrationError, OSError):
+            continue  # reported when the file itself is migrated
+    return found
+
+
+def migrate_file(
+    path: str | os.PathLike[str], *, definitions: dict[str, Definition] | None = None
+) -> FileMigration:
     """Migrate one file's text (nothing is written); the suffix selects the rewrite.
 
+    ``definitions``: see :func:`migrate_python`.
     Raises :class:`MigrationError` for an unsupported suffix, an undecodable
     file or Python that does not parse.
     """
@@ -631,13 +857,9 @@ def migrate_file(path: str | os.PathLike[str]) -> FileMigration:
     suffix = path.suffix
     if suffix not in SUFFIXES:
         raise MigrationError(f"unsupported file type {suffix or '(none)'!r}")
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            original = f.read()
-    except UnicodeDecodeError as exc:
-        raise MigrationError(f"not UTF-8 text: {exc}") from exc
+    original = _read(path)
     if suffix in PYTHON_SUFFIXES:
-        result = migrate_python(original)
+        result = migrate_python(original, definitions=definitions)
     elif suffix in TOML_SUFFIXES:
         result = migrate_toml(original)
     else:
@@ -650,7 +872,9 @@ def migrate_path(path: str | os.PathLike[str], *, write: bool = False) -> list[F
 
     Returns one :class:`FileMigration` per file examined (check ``.changed``).
     """
-    migrations = [migrate_file(file) for file in iter_files(path)]
+    files = list(iter_files(path))
+    definitions = tree_definitions(files)
+    migrations = [migrate_file(file, definitions=definitions) for file in files]
     if write:
         for migration in migrations:
             if migration.changed:
@@ -696,9 +920,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     changed: list[FileMigration] = []
     errors = 0
+    definitions = tree_definitions(files)
     for file in files:
         try:
-            migration = migrate_file(file)
+            migration = migrate_file(file, definitions=definitions)
         except ImportError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -2,14 +2,15 @@
 
 ::
 
-    python -m torchtitan_spmd.parity --parallelism.data_parallel_shard_degree 2 \\
-        --parallelism.tensor_parallel_degree 2 --training.steps 10
+    python -m torchtitan_spmd.parity --module llama3 --config llama3_debugmodel \\
+        --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2
 
-Runs the config (the usual ``--section.field value`` overrides, or
-``--job.config_file``) once per backend -- ``default``, ``full_dtensor``,
-``spmd_types`` -- on ``--nproc`` ranks, prints the per-step losses side by side
-with the largest relative difference from the first backend, and writes a PNG
-of the loss curves (``--plot``, needs the optional ``plot`` extra:
+Runs the job the trainer would (``--module M --config C`` or a legacy
+``--job.config_file``, then the usual ``--section.field value`` overrides; with
+neither, ``--module llama3 --config llama3_debugmodel``) once per backend --
+``default``, ``full_dtensor``, ``spmd_types`` -- on ``--nproc`` ranks, prints the
+per-step losses side by side with the largest relative difference from the first
+backend, and writes a PNG of the loss curves (``--plot``, needs the optional ``plot`` extra:
 ``pip install 'torchtitan-spmd[plot]'``; without matplotlib the plot is skipped
 with a note).
 
@@ -22,7 +23,7 @@ Launchers:
   losses parsed from the log lines (6 decimals).
 
 Exit status: 0 on success (with or without the plot), 1 if ``--tol`` is given
-and exceeded, 2 on a bad config or a failed run.
+and exceeded, 2 on a bad config (tyro's exit status for a bad override) or a failed run.
 """
 
 from __future__ import annotations
@@ -39,7 +40,17 @@ from dataclasses import dataclass
 
 from torchtitan_spmd.config import SPMD_BACKENDS, ConfigManager, JobConfig
 
-__all__ = ["BACKENDS", "ParityResult", "collect", "format_table", "main", "max_rel_diff", "write_plot"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_JOB",
+    "ParityResult",
+    "collect",
+    "format_table",
+    "main",
+    "max_rel_diff",
+    "with_default_job",
+    "write_plot",
+]
 
 BACKENDS: tuple[str, ...] = tuple(SPMD_BACKENDS)
 
@@ -146,6 +157,20 @@ def _default_nproc(cfg: JobConfig) -> int:
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else 1
     return (p.data_parallel_replicate_degree * shard * p.context_parallel_degree
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
+
+#: The job parity runs when the command line names none (``--module``/``--config`` or
+#: ``--job.config_file``): the debug model, sized for CPU (upstream's JobConfig defaults,
+#: seq_len 2048 x batch 8, are not).
+DEFAULT_JOB: tuple[str, ...] = ("--module", "llama3", "--config", "llama3_debugmodel")
+
+
+def with_default_job(args: Sequence[str]) -> list[str]:
+    """``args``, preceded by :data:`DEFAULT_JOB` unless they name a job themselves."""
+    named = {a.split("=", 1)[0] for a in args}
+    if named & {"--module", "--config", "--job.config_file", "--job.config-file"}:
+        return list(args)
+    return [*DEFAULT_JOB, *args]
 
 
 def _typechecks(backend: str) -> bool:
@@ -270,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.launcher == "fork" and not any(a.replace("-", "_").startswith("--training.device")
                                                for a in overrides):
             overrides += ["--training.device", "cpu"]  # forked ranks talk gloo
+        overrides = with_default_job(overrides)
         # The base config names a type-checking backend (each run sets its own), so
         # that --debug.spmd_typechecking does not warn about the default backend.
         typed = next(b for b in BACKENDS if _typechecks(b))
@@ -277,9 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         nproc = opts.nproc if opts.nproc is not None else _default_nproc(base)
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}.")
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except SystemExit as err:  # tyro has reported a bad override
+        return int(err.code or 0)
     try:
         result = collect(base, nproc=nproc, backends=backends, launcher=opts.launcher,
                          overrides=overrides)

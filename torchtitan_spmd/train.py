@@ -1,6 +1,7 @@
-"""The trainer: ``torchrun --nproc-per-node=N -m torchtitan_spmd.train [--section.field value ...]``.
+"""The trainer: ``torchrun --nproc-per-node=N -m torchtitan_spmd.train --module M --config C ...``.
 
-Reads the layer-1 config, builds the meshes (layer 2), the model family of
+Reads the layer-1 config (``--module llama3 --config llama3_debugmodel`` as upstream, or a
+legacy ``--job.config_file F.toml``, then ``--section.field value`` overrides), builds the meshes (layer 2), the model family of
 ``model.name`` (flavour ``model.flavor``) with its sharding plan, and trains with
 the tensor representation of ``parallelism.spmd_backend``. The composition of the
 parallelism techniques is :meth:`Trainer.build_model`; one step is
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
 from torchtitan_spmd.distributed.apply_plan import apply_plan
@@ -120,6 +121,7 @@ class Trainer:
     """
 
     def __init__(self, job_config: JobConfig) -> None:
+        check_supported(job_config)  # values of features the runtime does not implement yet
         self.job_config = job_config
         self.device_type = _device_type(job_config)
         self._owns_pg = False
@@ -258,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.simplefilter("default", DeprecationWarning)
     try:
         job_config = ConfigManager().parse_args(list(argv) if argv is not None else None)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

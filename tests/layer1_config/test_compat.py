@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fork_helpers import FORK, fork_env
 
 from torchtitan_spmd.compat import REMOVAL_RELEASE, LegacySpellingWarning
 from torchtitan_spmd.config import ConfigManager, JobConfig, ParallelismConfig
@@ -100,7 +101,7 @@ def test_channel3_attribute_assignment() -> None:
     assert cfg.spmd_backend == "default"
 
 
-# Channel 4: CLI flag -------------------------------------------------------------------
+# Channel 4: CLI flag, through tyro onto a fork's own root -------------------------------
 @pytest.mark.parametrize(
     ("argv", "backend"),
     [
@@ -115,17 +116,39 @@ def test_channel3_attribute_assignment() -> None:
     ],
 )
 def test_channel4_cli_flag(argv: list[str], backend: str) -> None:
-    cfg, w = _one_warning(lambda: ConfigManager().parse_args([*argv, "--training.steps", "2"]))  # CH4-CLI
+    cfg, w = _one_warning(lambda: ConfigManager().parse_args([*FORK, *argv, "--training.steps", "2"]))  # CH4-CLI
     assert cfg.parallelism.spmd_backend == backend  # type: ignore[attr-defined]
     assert cfg.training.steps == 2  # type: ignore[attr-defined]
+    assert cfg.parallelism.tensor_parallel_degree == 2  # type: ignore[attr-defined]  # the fork's value
     _assert_message(w, f"--parallelism.spmd_backend {backend}")
     assert (w.filename, w.lineno) == (__file__, _line_of("# CH4-CLI"))
 
 
+def test_channel4_cli_flag_on_a_legacy_toml_config(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[training]\nsteps = 3\n")
+    cfg, w = _one_warning(
+        lambda: ConfigManager().parse_args(["--job.config_file", str(path), "--parallelism.no-full-dtensor"])
+    )
+    assert cfg.parallelism.spmd_backend == "default" and cfg.training.steps == 3  # type: ignore[attr-defined]
+    _assert_message(w, "--parallelism.spmd_backend default")
+
+
+def test_legacy_keyword_in_a_forks_config_function_warns_once_at_its_line() -> None:
+    from acme_titan import config_registry
+
+    cfg, w = _one_warning(lambda: ConfigManager().parse_args(["--module", "acme_titan", "--config", "acme_full_dtensor"]))
+    assert cfg.parallelism.spmd_backend == "full_dtensor"  # type: ignore[attr-defined]
+    _assert_message(w, "ParallelismConfig(spmd_backend='full_dtensor')")
+    lines = Path(config_registry.__file__).read_text().splitlines()
+    assert w.filename == config_registry.__file__
+    assert "ParallelismConfig(" in lines[w.lineno - 1]
+
+
 def test_channel4_cli_flag_via_subprocess_is_visible_by_default() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_spmd.config", "--parallelism.full_dtensor"],
-        capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "torchtitan_spmd.config", *FORK, "--parallelism.full_dtensor"],
+        capture_output=True, text=True, check=True, env=fork_env(),
     )
     assert 'spmd_backend = "full_dtensor"' in proc.stdout
     assert proc.stderr.count("LegacySpellingWarning") == 1
@@ -175,8 +198,8 @@ def test_channel6_section_dict() -> None:
         lambda: ParallelismConfig(full_dtensor=True, spmd_backend="spmd_types"),
         lambda: ParallelismConfig(full_dtensor=False, spmd_backend="full_dtensor"),
         lambda: JobConfig.from_dict({"parallelism": {"full_dtensor": True, "spmd_backend": "default"}}),
-        lambda: ConfigManager().parse_args(["--parallelism.full_dtensor", "--parallelism.spmd_backend", "spmd_types"]),
-        lambda: ConfigManager().parse_args(["--parallelism.spmd_backend=full_dtensor", "--parallelism.no-full_dtensor"]),
+        lambda: ConfigManager().parse_args([*FORK, "--parallelism.full_dtensor", "--parallelism.spmd_backend", "spmd_types"]),
+        lambda: ConfigManager().parse_args([*FORK, "--parallelism.spmd_backend=full_dtensor", "--parallelism.no-full_dtensor"]),
     ],
 )
 def test_conflicting_spellings_raise_and_name_both(make: Callable[[], object]) -> None:
@@ -193,7 +216,7 @@ def test_agreeing_spellings_are_accepted() -> None:
 
 def test_legacy_flag_given_twice_is_an_error() -> None:
     with pytest.raises(ValueError, match="given twice"):
-        ConfigManager().parse_args(["--parallelism.full_dtensor", "--parallelism.no-full_dtensor"])
+        ConfigManager().parse_args([*FORK, "--parallelism.full_dtensor", "--parallelism.no-full_dtensor"])
 
 
 # -W error::DeprecationWarning turns every channel into an error --------------------
@@ -201,7 +224,7 @@ _CHANNELS = {
     "ctor": "ParallelismConfig(full_dtensor=True)",
     "read": "ParallelismConfig().full_dtensor",
     "write": "c = ParallelismConfig(); c.full_dtensor = True",
-    "cli": "ConfigManager().parse_args(['--parallelism.full_dtensor'])",
+    "cli": f"ConfigManager().parse_args({[*FORK, '--parallelism.full_dtensor']!r})",
     "toml": "ConfigManager().parse_args(['--job.config_file', TOML])",
     "dict": "JobConfig.from_dict({'parallelism': {'full_dtensor': True}})",
 }
@@ -219,9 +242,10 @@ def test_w_error_turns_each_channel_into_an_error(tmp_path: Path, channel: str) 
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True,
+        env=fork_env(),
     )
     assert proc.returncode != 0
     assert "LegacySpellingWarning" in proc.stderr and "deprecated" in proc.stderr
-    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=fork_env())
     assert ok.returncode == 0, ok.stderr

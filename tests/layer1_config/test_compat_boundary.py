@@ -13,8 +13,11 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
+
+from fork_helpers import FORK, FORK_DIR
 
 import torchtitan_spmd
 
@@ -73,7 +76,7 @@ def _library_files() -> list[Path]:
 
 def test_no_legacy_names_outside_compat_hooks() -> None:
     files = _library_files()
-    assert any(p.name == "job_config.py" for p in files)
+    assert {"configs.py", "job_config.py", "manager.py"} <= {p.name for p in files}
     leaks = [
         f"{p.relative_to(PACKAGE.parent)}:{line}: {what}"
         for p in files
@@ -121,33 +124,39 @@ def test_deleting_compat_and_hooks_removes_legacy_support_cleanly(tmp_path: Path
             path.write_text("".join(line for line in text.splitlines(True) if HOOK not in line))
     code = textwrap.dedent(
         """
-        import importlib.util, warnings
+        import contextlib, importlib.util, io, warnings
         warnings.simplefilter("error")
         import torchtitan_spmd
         from torchtitan_spmd.config import ConfigManager, JobConfig, ParallelismConfig
         assert torchtitan_spmd.__file__.startswith(ROOT), torchtitan_spmd.__file__
         assert importlib.util.find_spec("torchtitan_spmd.compat") is None
-        cfg = ConfigManager().parse_args(["--parallelism.spmd_backend", "full_dtensor"])
+        cfg = ConfigManager().parse_args(FORK + ["--parallelism.spmd_backend", "full_dtensor"])
         assert cfg.parallelism.spmd_backend == "full_dtensor"
         assert not hasattr(ParallelismConfig(), "full_dtensor")
         for bad in (
             lambda: ParallelismConfig(full_dtensor=True),
             lambda: JobConfig.from_dict({"parallelism": {"full_dtensor": True}}),
-            lambda: ConfigManager().parse_args(["--parallelism.full_dtensor"]),
+            lambda: ConfigManager().parse_args(FORK + ["--parallelism.full_dtensor"]),
         ):
+            stderr = io.StringIO()
             try:
-                bad()
+                with contextlib.redirect_stderr(stderr):
+                    bad()
             except (TypeError, ValueError) as err:
                 assert "full_dtensor" in str(err), err
+            except SystemExit as err:  # tyro: "Unrecognized options"
+                assert err.code == 2 and "full_dtensor" in stderr.getvalue(), stderr.getvalue()
             else:
                 raise AssertionError("legacy spelling still accepted")
         print("clean")
         """
-    ).replace("ROOT", repr(str(tmp_path)))
-    # -S: no site-packages, so the editable install's finder cannot supply the real compat/.
+    ).replace("ROOT", repr(str(tmp_path))).replace("FORK", repr(FORK))
+    # -S: site-packages is on the path (for tyro and torch) but its .pth files are not
+    # run, so the editable install's finder cannot supply the real compat/.
+    path = [str(tmp_path), str(FORK_DIR), sysconfig.get_paths()["purelib"]]
     proc = subprocess.run(
         [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "clean"

@@ -6,6 +6,8 @@ by hand and is the exact text the codemod must produce from ``NAME``.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -182,20 +184,32 @@ def test_migrate_path_reports_without_writing(fork: Path) -> None:
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        # keyword arguments
-        ("f(full_dtensor=True)", 'f(spmd_backend="full_dtensor")'),
-        ("f(full_dtensor=False)", 'f(spmd_backend="default")'),
-        ("f(a, full_dtensor = (True))", 'f(a, spmd_backend = "full_dtensor")'),
-        ("f(full_dtensor=flag)", 'f(spmd_backend="full_dtensor" if flag else "default")'),
+        # keyword arguments of the config and mesh API
+        ("ParallelDims(full_dtensor=True)", 'ParallelDims(spmd_backend="full_dtensor")'),
+        ("ParallelismConfig(full_dtensor=False)", 'ParallelismConfig(spmd_backend="default")'),
+        ("ParallelDims(a, full_dtensor = (True))", 'ParallelDims(a, spmd_backend = "full_dtensor")'),
+        ("pd.ParallelDims(full_dtensor=flag)", 'pd.ParallelDims(spmd_backend="full_dtensor" if flag else "default")'),
         (
-            "f(full_dtensor=a if b else c)",
-            'f(spmd_backend="full_dtensor" if (a if b else c) else "default")',
+            "ParallelDims(full_dtensor=a if b else c)",
+            'ParallelDims(spmd_backend="full_dtensor" if (a if b else c) else "default")',
         ),
-        ("f(full_dtensor=cfg.full_dtensor)", "f(spmd_backend=cfg.spmd_backend)"),
+        ("ParallelDims(full_dtensor=cfg.full_dtensor)", "ParallelDims(spmd_backend=cfg.spmd_backend)"),
         (
-            "f(full_dtensor=not cfg.full_dtensor)",
-            'f(spmd_backend="full_dtensor" if cfg.spmd_backend != "full_dtensor" else "default")',
+            "ParallelismConfig(full_dtensor=not cfg.full_dtensor)",
+            'ParallelismConfig(spmd_backend="full_dtensor" if cfg.spmd_backend != "full_dtensor" else "default")',
         ),
+        (
+            "from torchtitan_spmd.distributed import ParallelDims as PD\nPD(full_dtensor=True)",
+            'from torchtitan_spmd.distributed import ParallelDims as PD\nPD(spmd_backend="full_dtensor")',
+        ),
+        ("ns = SimpleNamespace(tp=1, full_dtensor=False)", 'ns = SimpleNamespace(tp=1, spmd_backend="default")'),
+        (
+            "class ParallelDims:\n    @classmethod\n    def from_config(cls, c):\n        return cls(full_dtensor=c.flag)",
+            'class ParallelDims:\n    @classmethod\n    def from_config(cls, c):\n'
+            '        return cls(spmd_backend="full_dtensor" if c.flag else "default")',
+        ),
+        # a keyword passed elsewhere: its value is still a config read, now a bool again
+        ("f(full_dtensor=cfg.full_dtensor)", 'f(full_dtensor=cfg.spmd_backend == "full_dtensor")'),
         # reads in boolean and expression contexts
         ("if cfg.full_dtensor:\n    pass", 'if cfg.spmd_backend == "full_dtensor":\n    pass'),
         ("x = a.full_dtensor and b", 'x = a.spmd_backend == "full_dtensor" and b'),
@@ -252,8 +266,6 @@ def test_python_conversion(before: str, after: str) -> None:
         "x = torchtitan_spmd.distributed.full_dtensor.apply(model)",
         "x = distributed.full_dtensor",
         "x = full_dtensor.apply(model)",
-        "def f(full_dtensor: bool = False):\n    return full_dtensor",
-        "class C:\n    full_dtensor: bool = False",
         'x = getattr(cfg, "full_dtensor")',
         "x = 1  # cfg.full_dtensor stays in comments",
         "x = cfg.spmd_backend == 'full_dtensor'",
@@ -264,6 +276,91 @@ def test_python_left_alone(source: str) -> None:
     result = migrate_python(source + "\n")
     assert result.text == source + "\n"
     assert result.review_sites == []
+
+
+@pytest.mark.parametrize(
+    ("source", "lines", "needle"),
+    [
+        ("def f(full_dtensor: bool = False):\n    return full_dtensor", [1], "parameter full_dtensor of f()"),
+        ("class C:\n    full_dtensor: bool = False", [2], "field full_dtensor of class C"),
+        ("class C:\n    full_dtensor = False", [2], "field full_dtensor of class C"),
+        (
+            "class ParallelDims:\n    full_dtensor: bool = False",
+            [2],
+            "field full_dtensor of class ParallelDims is the legacy field itself",
+        ),
+        (
+            "class M:\n    def __init__(self, full_dtensor):\n        self.full_dtensor = full_dtensor",
+            [2],
+            "parameter full_dtensor of M.__init__()",
+        ),
+    ],
+)
+def test_declarations_are_left_and_reported(source: str, lines: list[int], needle: str) -> None:
+    result = migrate_python(source + "\n")
+    assert result.text == source + "\n"
+    assert [s.line for s in result.review_sites] == lines
+    assert needle in result.review_sites[0].message and "declaration left unchanged" in result.review_sites[0].message
+
+
+def test_own_attribute_of_a_declaring_class_is_left() -> None:
+    source = textwrap.dedent(
+        """\
+        class Rep:
+            def __init__(self, mesh, full_dtensor=False):
+                self.full_dtensor = full_dtensor
+
+            def go(self, cfg):
+                if self.full_dtensor and cfg.full_dtensor:
+                    return 1
+
+
+        class Other:
+            def go(self):
+                return self.full_dtensor
+        """
+    )
+    text = migrate_python(source).text
+    assert "self.full_dtensor = full_dtensor" in text
+    assert 'if self.full_dtensor and cfg.spmd_backend == "full_dtensor":' in text
+    assert 'return self.spmd_backend == "full_dtensor"' in text  # Other declares nothing
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        (
+            "def run(*, full_dtensor):\n    ...\n\nrun(full_dtensor=True)",
+            "run is this tree's own function with a full_dtensor parameter (declared at line 1)",
+        ),
+        (
+            "class Rep:\n    def __init__(self, full_dtensor=False): ...\n\nRep(full_dtensor=True)",
+            "Rep is this tree's own class with a full_dtensor parameter (declared at line 2)",
+        ),
+        (
+            "@dataclass\nclass Cfg:\n    full_dtensor: bool = False\n\nCfg(full_dtensor=True)",
+            "Cfg is this tree's own class",
+        ),
+        ("dataclasses.replace(cfg, full_dtensor=True)", "the callee replace is neither ParallelismConfig"),
+        ("make()(full_dtensor=True)", "the callee (an expression) is neither"),
+    ],
+)
+def test_keyword_to_any_other_callee_is_left_and_reported(source: str, needle: str) -> None:
+    result = migrate_python(source + "\n")
+    assert result.text == source + "\n"
+    call_line = source.count("\n") + 1
+    notes = [s.message for s in result.review_sites if s.line == call_line]
+    assert len(notes) == 1 and needle in notes[0], result.review_sites
+    assert "full_dtensor= left unchanged" in notes[0]
+
+
+def test_definitions_from_other_files_are_named() -> None:
+    from torchtitan_spmd.compat.migrate import find_definitions
+
+    defs = find_definitions("def helper(x, full_dtensor=False): ...\n", "pkg/helpers.py")
+    result = migrate_python("helper(1, full_dtensor=True)\n", definitions=defs)
+    assert result.text == "helper(1, full_dtensor=True)\n"
+    assert "declared at pkg/helpers.py:1" in result.review_sites[0].message
 
 
 def test_python_formatting_is_preserved() -> None:
@@ -293,9 +390,9 @@ def test_python_formatting_is_preserved() -> None:
 
 
 def test_python_crlf_line_endings_are_kept() -> None:
-    source = "if cfg.full_dtensor:\r\n    f(full_dtensor=False)\r\n"
+    source = "if cfg.full_dtensor:\r\n    ParallelDims(full_dtensor=False)\r\n"
     assert migrate_python(source).text == (
-        'if cfg.spmd_backend == "full_dtensor":\r\n    f(spmd_backend="default")\r\n'
+        'if cfg.spmd_backend == "full_dtensor":\r\n    ParallelDims(spmd_backend="default")\r\n'
     )
 
 
@@ -303,7 +400,7 @@ def test_python_sites_left_for_a_human() -> None:
     source = textwrap.dedent(
         """\
         cfg.full_dtensor |= other
-        f(full_dtensor=True, spmd_backend="spmd_types")
+        ParallelDims(full_dtensor=True, spmd_backend="spmd_types")
         a.full_dtensor, b = True, 1
         x = f"--parallelism.full_dtensor={flag}"
         match value:
@@ -492,3 +589,94 @@ def test_module_entry_point(fork: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     assert f"would rewrite {fork / 'train_spec.py'}" in proc.stdout
     assert f"{fork / 'train_spec.py'}:73: review:" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------
+# A fork's tree with its own `full_dtensor` parameters (fixtures/migrate_tree/acme_fork).
+# --------------------------------------------------------------------------------------
+TREE = Path(__file__).parent / "fixtures" / "migrate_tree"
+TREE_SOURCES = ["__init__.py", "experiment.py", "loss_checks.py", "simple_fsdp.py", "train.py"]
+
+#: (file, line, what the note says) for every site the codemod must leave and report.
+TREE_REVIEW = [
+    ("experiment.py", 8, "declaration left unchanged: field full_dtensor of class ExperimentConfig"),
+    ("experiment.py", 15, "ExperimentConfig is this tree's own class with a full_dtensor parameter (declared at {}experiment.py:8)"),
+    ("loss_checks.py", 5, "declaration left unchanged: parameter full_dtensor of LossChecks._run_one()"),
+    ("loss_checks.py", 9, "_run_one is this tree's own function with a full_dtensor parameter (declared at {}loss_checks.py:5)"),
+    ("loss_checks.py", 12, "_run_one is this tree's own function"),
+    ("simple_fsdp.py", 5, "declaration left unchanged: parameter full_dtensor of ReplicateComputation.__init__()"),
+    ("simple_fsdp.py", 13, "declaration left unchanged: parameter full_dtensor of data_parallel()"),
+    ("simple_fsdp.py", 14, "ReplicateComputation is this tree's own class with a full_dtensor parameter (declared at {}simple_fsdp.py:5)"),
+    ("train.py", 19, "full_dtensor=X.full_dtensor became spmd_backend=X.spmd_backend"),
+    ("train.py", 21, "data_parallel is this tree's own function with a full_dtensor parameter (declared at {}simple_fsdp.py:13)"),
+    ("train.py", 28, NOT_REVIEW),
+]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the fork tree (inputs only)."""
+    root = tmp_path / "tree"
+    shutil.copytree(TREE, root, ignore=shutil.ignore_patterns("*.expected", "__pycache__"))
+    return root
+
+
+def _summary(root: Path, *python_flags: str) -> str:
+    """``acme_fork.train.summary()`` of the tree at ``root``, run in a fresh interpreter."""
+    code = "import json, acme_fork.train as t; print(json.dumps(t.summary(), sort_keys=True))"
+    proc = subprocess.run(
+        [sys.executable, *python_flags, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_tree_fixture_is_complete() -> None:
+    assert sorted(p.name for p in (TREE / "acme_fork").glob("*.py")) == TREE_SOURCES
+    assert sorted(p.name for p in (TREE / "acme_fork").glob("*.expected")) == ["train.py.expected"]
+
+
+def test_tree_migrates_the_api_and_leaves_and_reports_the_forks_own(
+    tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tree / "acme_fork"
+    before = {name: (package / name).read_text() for name in TREE_SOURCES}
+    assert main([str(tree)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1] == "rewrote 1 file(s)"
+    assert (package / "train.py").read_text() == (TREE / "acme_fork" / "train.py.expected").read_text()
+    for name in TREE_SOURCES:
+        if name != "train.py":
+            assert (package / name).read_text() == before[name], name
+    notes = err.strip().splitlines()
+    assert len(notes) == len(TREE_REVIEW), err
+    for (name, line, needle), note in zip(TREE_REVIEW, notes, strict=True):
+        assert note.startswith(f"{package / name}:{line}: review: "), note
+        assert needle.format(f"{package}/") in note, note
+    assert main([str(tree)]) == 0  # idempotent
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "rewrote 0 file(s)"
+
+
+def test_migrate_path_names_definitions_in_other_files(tree: Path) -> None:
+    migrations = {m.path.name: m for m in migrate_path(tree)}
+    notes = [site.message for site in migrations["train.py"].result.review_sites if site.line == 21]
+    assert len(notes) == 1 and f"declared at {tree / 'acme_fork' / 'simple_fsdp.py'}:13" in notes[0]
+
+
+def _mesh_layer_present() -> bool:
+    """Whether ``ParallelDims`` (layer 2) can be imported: not in layer 1's own stack prefix."""
+    try:
+        return importlib.util.find_spec("torchtitan_spmd.distributed.parallel_dims") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _mesh_layer_present(), reason="the fork tree's code uses ParallelDims (layer 2)")
+def test_migrated_tree_runs_the_same_without_a_deprecation(tree: Path) -> None:
+    """No edit breaks a call: the fork's code gives the same answers after the rewrite,
+    with every legacy spelling of torchtitan_spmd's API gone."""
+    legacy = _summary(tree)
+    assert main([str(tree)]) == 0
+    assert _summary(tree, "-W", "error::DeprecationWarning") == legacy
+    assert '"dims": true' in legacy and '"wrapper": "full"' in legacy

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import spmd_types
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from torchtitan_spmd.distributed.layout import I, P, R, S, V
-from torchtitan_spmd.distributed.parallel_dims import SpmdLayout
+from torchtitan_spmd.distributed.layout import I, P, R, S, V, spmd_layout_to_dtensor_placements
+from torchtitan_spmd.distributed.parallel_dims import MeshAxisName, SpmdLayout
 
 
 def test_unlisted_axes_are_replicated() -> None:
@@ -48,10 +49,10 @@ def test_two_axes_on_one_dim_need_a_spec() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "needle"),
     [
-        ({"types": {"tp": "S(0)"}}, TypeError, "expected one of spmd_types R, I, V, P or S(dim)"),
-        ({"types": {0: R}}, TypeError, "mesh-axis names must be str"),
-        ({"types": ["tp"]}, TypeError, "must be a mapping"),
-        ({"types": {"tp": R}, "partition_spec": ("tp",)}, ValueError, "spec axes must be V"),
+        ({"axis_types": {"tp": "S(0)"}}, TypeError, "expected one of spmd_types R, I, V, P or S(dim)"),
+        ({"axis_types": {0: R}}, TypeError, "mesh-axis names must be str"),
+        ({"axis_types": ["tp"]}, TypeError, "must be a mapping"),
+        ({"axis_types": {"tp": R}, "partition_spec": ("tp",)}, ValueError, "spec axes must be V"),
         ({"partition_spec": ("tp", "tp")}, ValueError, "appears twice"),
         ({"partition_spec": (3,)}, TypeError, "partition_spec[0]"),
     ],
@@ -83,3 +84,35 @@ def test_with_types_and_restricted_to() -> None:
     assert layout.restricted_to(["dp"]) == SpmdLayout({"dp": R})
     spec = SpmdLayout(partition_spec=(("dp", "tp"), "cp"))
     assert spec.restricted_to(["tp", "cp"]).partition_spec == ("tp", "cp")
+
+
+# ------------------------------------------------------------------ torchtitan's names
+def test_axis_types_is_torchtitans_field_and_types_its_alias() -> None:
+    layout = SpmdLayout(axis_types={"tp": S(0), "dp": R})
+    assert layout.types is layout.axis_types
+    assert dict(layout.axis_types) == {"tp": S(0), "dp": R}
+    assert layout.axes() == ("tp", "dp")  # in the order given
+    assert SpmdLayout(partition_spec=("tp",)).axes() == ()  # spec-only axes are not named
+
+
+def test_per_axis_spmd_types_writes_spec_axes_as_shards() -> None:
+    dp, cp, tp = MeshAxisName.DP, MeshAxisName.CP, MeshAxisName.TP
+    layout = SpmdLayout({dp: R, cp: V, tp: V}, partition_spec=spmd_types.PartitionSpec(None, (cp, tp)))
+    got = layout.per_axis_spmd_types()
+    assert got == {"dp": R, "cp": S(1), "tp": S(1)}
+    assert all(type(k) is MeshAxisName for k in got)  # the caller's key objects are kept
+    # An axis only in the spec (implicitly V) is included too; S(d) types pass through.
+    assert SpmdLayout(partition_spec=(None, None, "tp")).per_axis_spmd_types() == {"tp": S(2)}
+    assert SpmdLayout({"tp": S(0), "cp": P}).per_axis_spmd_types() == {"tp": S(0), "cp": P}
+
+
+def test_spmd_layout_to_dtensor_placements() -> None:
+    spec = SpmdLayout({"tp": V}, partition_spec=spmd_types.PartitionSpec("tp"))
+    assert spmd_layout_to_dtensor_placements(spec) == {"tp": Shard(0)}
+    mixed = SpmdLayout({"dp": S(0), "cp": I, "tp": P})
+    # the logical dp axis stands for both storage axes
+    assert spmd_layout_to_dtensor_placements(mixed) == {
+        "dp_replicate": Shard(0), "dp_shard": Shard(0), "cp": Replicate(), "tp": Partial(),
+    }
+    with pytest.raises(ValueError, match="axis 'tp' is V with no shard dim"):
+        spmd_layout_to_dtensor_placements(SpmdLayout({"tp": V}))

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from torchtitan_spmd.distributed import ParallelDims
+from torchtitan_spmd.distributed.parallel_dims import ParallelDimsError
 
 BACKENDS = ("default", "full_dtensor", "spmd_types")
 
@@ -21,7 +22,7 @@ def dims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=None, **
 @pytest.mark.parametrize("value", [0, -1, -3])
 def test_degree_below_one(name: str, value: int) -> None:
     kwargs = {"world_size": 4, "dp_shard": -1, name: value}
-    with pytest.raises(ValueError, match=rf"{name} must be >= 1, got {value}\."):
+    with pytest.raises(ParallelDimsError, match=rf"{name} must be >= 1, got {value}\."):
         dims(**kwargs)
 
 
@@ -29,6 +30,17 @@ def test_degree_below_one(name: str, value: int) -> None:
 def test_dp_shard_only_minus_one_infers(value: int) -> None:
     with pytest.raises(ValueError, match=rf"dp_shard must be >= 1, or -1 to infer it, got {value}\."):
         dims(dp_shard=value, world_size=4)
+
+
+def test_invalid_degrees_are_value_errors_that_upstream_asserts_catch() -> None:
+    """torchtitan asserts its degrees; code (and tests) that catch AssertionError keep working."""
+    for bad in (dict(dp_replicate=0), dict(dp_shard=0), dict(dp_shard=2, world_size=3),
+                dict(dp_shard=-1, tp=3, world_size=8), dict(dp_shard=2, ep=3)):
+        with pytest.raises(ValueError) as as_value:
+            dims(**bad)
+        with pytest.raises(AssertionError):
+            dims(**bad)
+        assert type(as_value.value) is ParallelDimsError, bad
 
 
 def test_dp_shard_inferred() -> None:
@@ -91,9 +103,9 @@ def test_unknown_mesh_name_lists_valid_names(backend: str, bad: str, valid: str)
     with pytest.raises(ValueError) as err:
         pd.get_optional_mesh(bad)
     msg = str(err.value)
-    assert f"unknown mesh {bad!r} for spmd_backend={backend!r}" in msg
+    assert f"Invalid mesh dim: {bad!r} under spmd_backend={backend!r}" in msg  # torchtitan's words
     assert valid in msg and "'tp'" in msg and "'efsdp'" in msg
-    with pytest.raises(ValueError, match="unknown mesh 'tpp'.*Did you mean 'tp'"):
+    with pytest.raises(ValueError, match="Invalid mesh dim: 'tpp'.*Did you mean 'tp'"):
         pd.get_mesh(["tpp"])
     with pytest.raises(ValueError, match="repeat an axis"):
         pd.get_optional_mesh(["tp", "tp"])
@@ -102,12 +114,15 @@ def test_unknown_mesh_name_lists_valid_names(backend: str, bad: str, valid: str)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_unavailable_mesh(backend: str) -> None:
+def test_unavailable_mesh(fake_pg, backend: str) -> None:
+    fake_pg(4)
     pd = dims(dp_shard=2, tp=2, spmd_backend=backend)  # cp == 1: inactive
+    assert pd._single_axis_meshes == {}  # nothing built yet
     assert pd.get_optional_mesh("cp") is None
+    assert pd._single_axis_meshes  # get_optional_mesh built the meshes (as torchtitan's)
     assert pd.get_optional_mesh(["cp", "tp"]) is None
     assert pd.get_activated_mesh("cp") is None
-    with pytest.raises(ValueError, match=r"mesh 'cp' is not available .* inactive axes cp \(size 1\)"):
+    with pytest.raises(ValueError, match=r"Mesh 'cp' is not available .* inactive axes cp \(size 1\)"):
         pd.get_mesh("cp")
     with pytest.raises(ValueError, match=r"inactive axes ep \(size 1\), efsdp \(size 4\)"):
         pd.get_mesh(["ep", "efsdp"])
@@ -133,5 +148,5 @@ def test_resolve_mesh_full_dtensor_requires_a_complete_mesh(fake_pg) -> None:
     assert "resolved to axes ('dp_shard', 'tp')" in msg
     assert "not one of the SPMD meshes of spmd_backend='full_dtensor'" in msg
     assert "('dp_shard', 'cp', 'tp')" in msg
-    with pytest.raises(ValueError, match="unknown mesh 'fsdp'"):
+    with pytest.raises(ValueError, match="Invalid mesh dim: 'fsdp'"):
         pd.resolve_mesh(["fsdp", "tp"])  # default's name, not this backend's

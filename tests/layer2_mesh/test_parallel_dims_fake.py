@@ -67,10 +67,12 @@ COMMON_GLOBAL = {
     "loss": ("loss",),
     "sparse": ("pp", "dp_replicate", "efsdp", "ep"),
 }
+# torchtitan's candidates for spmd_meshes(): (dense, sparse), before inactive axes are dropped.
+SPARSE_SPMD = ("dp_replicate", "efsdp", "ep")
 SPMD_MESH_AXES = {
-    "default": [("tp",), ("ep",)],
-    "full_dtensor": [("dp_replicate", "dp_shard", "cp", "tp"), ("dp_replicate", "efsdp", "ep")],
-    "spmd_types": [("dp", "cp", "tp"), ("ep",)],
+    "default": [("dp_replicate", "fsdp", "tp"), SPARSE_SPMD],
+    "full_dtensor": [("dp_replicate", "dp_shard", "cp", "tp"), SPARSE_SPMD],
+    "spmd_types": [("dp", "cp", "tp"), SPARSE_SPMD],
 }
 IN_BAND = {"default": {"tp", "ep"}, "full_dtensor": None, "spmd_types": {"dp", "cp", "tp", "ep"}}
 
@@ -162,9 +164,12 @@ def test_axis_names_sizes_ranks_and_real_groups(built: ParallelDims, cfg: Cfg, b
         assert built.is_axis_active(name) is active[name], name
         assert (built.get_optional_mesh(name) is not None) is active[name], name
         assert built.get_optional_mesh(name, include_singleton_axes=True) is mesh  # cached
+    # As torchtitan: every 1-D mesh of size > 1, fake-backed ones (efsdp at ep=1) included.
     one_d = built.get_all_one_dimensional_meshes()
-    assert set(one_d) == {n for n in names if active[n] and len(groups[n]) > 1}
-    assert all(m is built.get_mesh(n) for n, m in one_d.items())
+    assert set(one_d) == {n for n in names if len(groups[n]) > 1}
+    assert all(m is built.get_optional_mesh(n, include_singleton_axes=True) for n, m in one_d.items())
+    assert set(built._single_axis_meshes) == names
+    assert all(m.mesh_dim_names == (n,) for n, m in built._single_axis_meshes.items())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

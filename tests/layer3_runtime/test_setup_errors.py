@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig
@@ -46,6 +47,16 @@ def test_unsupported_combinations_fail_at_setup(fake_pg: Callable[[int], None], 
     assert f"spmd_backend={backend!r}" in msg
     for needle in needles:
         assert needle in msg
+
+
+def test_unimplemented_config_values_stop_the_trainer_at_setup() -> None:
+    from torchtitan_spmd.train import Trainer
+
+    cfg = _cfg("default")
+    cfg.compile.enable = True
+    with pytest.raises(ValueError, match="compile.enable=True: torch.compile is not implemented"):
+        Trainer(cfg)  # before any process group or model exists
+    assert not dist.is_initialized()
 
 
 def test_full_dtensor_cp_message_names_sdpa(fake_pg: Callable[[int], None]) -> None:

@@ -44,6 +44,8 @@ def test_torchrun_cli_trains(tmp_path: Path, backend: str) -> None:
 
 
 def test_torchrun_cli_rejects_bad_config_on_every_rank(tmp_path: Path) -> None:
-    proc = _torchrun(tmp_path, "--parallelism.spmd_backend", "full_dtensr")
+    config = tmp_path / "job.toml"
+    config.write_text("[training]\nsteps = 1\n")
+    proc = _torchrun(tmp_path, "--job.config_file", str(config), "--parallelism.spmd_backend", "full_dtensr")
     assert proc.returncode != 0
-    assert "Did you mean 'full_dtensor'?" in proc.stderr
+    assert "Did you mean 'full_dtensor'?" in " ".join(proc.stderr.replace("│", " ").split())  # tyro's box

@@ -163,14 +163,15 @@ def test_old_torch_without_data_parallel_is_fine(fake_world: Callable[[int], Non
     _rep(pd).validate(_cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2))
 
 
-def test_typechecking_with_pipeline_parallel_is_a_config_error() -> None:
+def test_typechecking_with_pipeline_parallel_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
         JobConfig.from_dict({"parallelism": {"spmd_backend": "spmd_types", "pipeline_parallel_degree": 2},
                              "debug": {"spmd_typechecking": True}})
-    with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
-        ConfigManager().parse_args(["--parallelism.spmd_backend", "spmd_types",
-                                    "--parallelism.pipeline_parallel_degree", "2",
-                                    "--debug.spmd_typechecking"])
+    with pytest.raises(SystemExit) as exit_:  # on the command line: tyro's exit 2, with the message
+        ConfigManager().parse_overrides(JobConfig(), ["--parallelism.spmd_backend", "spmd_types",
+                                                      "--parallelism.pipeline_parallel_degree", "2",
+                                                      "--debug.spmd_typechecking"])
+    assert exit_.value.code == 2 and "pipeline_parallel_degree" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- parameters

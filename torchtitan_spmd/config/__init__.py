@@ -2,17 +2,22 @@
 
 A drop-in for ``torchtitan.config``::
 
-    from torchtitan_spmd.config import ConfigManager, JobConfig, ParallelismConfig
+    from torchtitan_spmd.config import ConfigManager, DebugConfig, ParallelismConfig
 
+The sections live in :mod:`.configs` (as in torchtitan), the root ``JobConfig``
+in :mod:`.job_config`, the tyro-based ``ConfigManager`` in :mod:`.manager`, and
+the table of features the trainer does not implement yet in :mod:`.support`.
 This package imports nothing from ``torchtitan_spmd.distributed`` or the runtime.
 """
 
-from .job_config import (
+from .configs import (
     SPMD_BACKEND_ALIASES,
     SPMD_BACKENDS,
+    ActivationCheckpointConfig,
+    CheckpointConfig,
     CommConfig,
+    CompileConfig,
     DebugConfig,
-    JobConfig,
     JobSection,
     LRSchedulerConfig,
     MetricsConfig,
@@ -20,15 +25,35 @@ from .job_config import (
     OptimizerConfig,
     ParallelismConfig,
     SpmdBackend,
-    SpmdTypecheckingWarning,
     TrainingConfig,
 )
+from .job_config import JobConfig, SpmdTypecheckingWarning
 from .manager import ConfigManager
+from .support import check_supported
+
+#: torchtitan's map of dtype names to torch dtypes, built on first use (torch is not
+#: imported with the config).
+TORCH_DTYPE_MAP: dict[str, object]
+
+
+def __getattr__(name: str) -> object:
+    if name == "TORCH_DTYPE_MAP":
+        import torch
+
+        value = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "SPMD_BACKENDS",
     "SPMD_BACKEND_ALIASES",
+    "TORCH_DTYPE_MAP",
+    "ActivationCheckpointConfig",
+    "CheckpointConfig",
     "CommConfig",
+    "CompileConfig",
     "ConfigManager",
     "DebugConfig",
     "JobConfig",
@@ -41,4 +66,5 @@ __all__ = [
     "SpmdBackend",
     "SpmdTypecheckingWarning",
     "TrainingConfig",
+    "check_supported",
 ]

@@ -1,13 +1,16 @@
-"""``python -m torchtitan_spmd.config [--job.config_file F] [--section.field value ...]``
+"""``python -m torchtitan_spmd.config --module M --config C [--section.field value ...]``
 
 Prints the resolved configuration as TOML, after every override and legacy
-translation, so a fork can check what its old config now means.
+translation, so a fork can check what its config now means. Also accepts
+``--job.config_file F.toml`` instead of ``--module/--config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
+from typing import Any
 
 from . import ConfigManager
 
@@ -17,7 +20,26 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+def to_toml(config: Any, prefix: str = "") -> str:
+    """``config`` (a dataclass) as TOML: scalars first, then one table per nested dataclass.
+
+    None values are left out (TOML has no null).
+    """
+    scalars: list[str] = []
+    tables: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            name = f"{prefix}{f.name}"
+            tables.append(f"[{name}]\n{to_toml(value, name + '.')}")
+        elif value is not None:
+            scalars.append(f"{f.name} = {_toml_value(value)}\n")
+    return "".join(scalars) + "".join("\n" + t for t in tables)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,15 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("default", DeprecationWarning)
     try:
         config = ConfigManager().parse_args(argv)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for section, table in config.to_dict().items():
-        print(f"[{section}]")
-        for key, value in table.items():
-            if value is not None:
-                print(f"{key} = {_toml_value(value)}")
-        print()
+    print(to_toml(config).lstrip("\n"), end="")
     return 0
 
 

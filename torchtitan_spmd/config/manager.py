@@ -1,166 +1,291 @@
-"""``ConfigManager``: TOML file plus torchtitan-style CLI overrides.
+"""``ConfigManager``: torchtitan's ``--module M --config C`` loader, parsed with tyro.
 
-The parser is deliberately small and hand-rolled rather than built on tyro or
-argparse: every value, whether it comes from Python, a TOML file, a dict or the
-command line, goes through the same dataclass validation and so fails with the
-same ``ValueError``/``TypeError`` (naming the field, the bad value and the valid
-choices) instead of a parser-specific ``SystemExit``.
+Precedence, as in torchtitan: CLI overrides > the config function's values.
 
-Accepted spellings::
+- ``--module M``: a short name of this library's model registry (``llama3`` means
+  ``torchtitan_spmd.models.llama3.config_registry``), or a fork's module: ``M`` is
+  tried as ``M.config_registry``, then as ``M``.
+- ``--config C``: a function of that module, returning any dataclass root (this
+  library's ``JobConfig`` or a fork's own trainer config embedding its sections).
+- ``--section.field value`` overrides, parsed by tyro on top of that config. Booleans
+  are tyro flags (``--debug.deterministic`` / ``--debug.no-deterministic``); a
+  ``list[str]`` takes one comma-separated value (``--checkpoint.exclude_from_loading
+  optimizer,lr_scheduler``); hyphens and underscores are interchangeable.
+- ``--job.config_file F.toml`` instead of ``--module/--config``: the loader of forks
+  from before torchtitan moved to Python registries (a TOML file over ``JobConfig``'s
+  defaults), with the same tyro overrides on top.
 
-    --section.field value        --section.field=value
-    --section.bool_field         (sets True)
-    --section.no-bool_field      (sets False; also --section.bool_field false)
-
-Hyphens and underscores are interchangeable in section and field names.
+Legacy ``full_dtensor`` flags are translated by one compat hook before tyro sees
+them. A bad value on the command line is tyro's usual error (exit status 2); the
+Python API (constructing sections) raises ``ValueError``/``TypeError``.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
+import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import pkgutil
 import sys
 import tomllib
-import types
 import typing
+import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, get_args
 
-from torchtitan_spmd._errors import suggest
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
+from ._section import invalid_choice
+from .configs import SPMD_BACKEND_ALIASES, SpmdBackend
 from .job_config import JobConfig
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
+if TYPE_CHECKING:
+    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
+
+__all__ = ["MODELS_PACKAGE", "ConfigManager", "short_module_names"]
+
+#: The package whose subpackages' ``config_registry`` modules ``--module NAME`` finds.
+MODELS_PACKAGE = "torchtitan_spmd.models"
+
+_EXAMPLE = "Example: --module llama3 --config llama3_debugmodel"
+
+_USAGE = (
+    "Select a config with --module M --config C (a function of M's config_registry, e.g. "
+    "--module llama3 --config llama3_debugmodel), or load a legacy TOML file with "
+    "--job.config_file F.toml; then override fields with --section.field VALUE. "
+    "The options below are those of torchtitan_spmd's JobConfig."
+)
 
 
-def _norm(name: str) -> str:
-    """Normalise hyphens to underscores, keeping a leading ``--``."""
-    if name.startswith("--"):
-        return "--" + name[2:].replace("-", "_")
-    return name.replace("-", "_")
-
-
-def _is_bool(tp: Any) -> bool:
-    if tp is bool:
-        return True
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        members = [m for m in get_args(tp) if m is not type(None)]
-        return members == [bool]
-    return False
-
-
-def _parse_value(flag: str, raw: str, tp: Any) -> Any:
-    """Convert a CLI string to the annotated type; the dataclass then validates it."""
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        members = [m for m in get_args(tp) if m is not type(None)]
-        if raw.lower() == "none" and type(None) in get_args(tp):
-            return None
-        if len(members) == 1:
-            return _parse_value(flag, raw, members[0])
-        return raw
-    if tp is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ValueError(f"{flag}: invalid boolean {raw!r}; use true or false.")
-    if tp is int:
-        try:
-            return int(raw)
-        except ValueError:
-            raise TypeError(f"{flag}: expected int, got {raw!r}.") from None
-    if tp is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise TypeError(f"{flag}: expected float, got {raw!r}.") from None
-    if origin is Literal:
-        return raw
-    return raw
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal after each field) of a section class."""
+# --------------------------------------------------------------------------------------
+# tyro (imported on first use: the config sections, and every layer importing them, work
+# without it).
+# --------------------------------------------------------------------------------------
+def _tyro() -> Any:
     try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+        import tyro
+        import tyro.constructors
+    except ImportError as exc:
+        raise ImportError(
+            "ConfigManager parses the command line with tyro, which is not installed: "
+            "pip install 'tyro>=1.0,<2' (or pip install torchtitan-spmd)."
+        ) from exc
+    return tyro
+
+
+def _comma_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] | None:
+    """``list[str]`` takes one comma-separated value, as in torchtitan."""
+    if info.type != list[str]:
+        return None
+    return _tyro().constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="A,B,C,...",
+        instance_from_str=lambda args: [item.strip() for item in args[0].split(",") if item.strip()],
+        is_instance=lambda value: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        str_from_instance=lambda value: [",".join(value)],
+    )
+
+
+def _spmd_backend_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] | None:
+    """``spmd_backend`` accepts its aliases and names the closest choice when wrong."""
+    if info.type != SpmdBackend:
+        return None
+    choices = get_args(SpmdBackend)
+
+    def from_str(args: list[str]) -> str:
+        value = SPMD_BACKEND_ALIASES.get(args[0], args[0])
+        if value not in choices:
+            raise invalid_choice("", args[0], choices)
+        return value
+
+    return _tyro().constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{" + ",".join(choices) + "}",
+        instance_from_str=from_str,
+        is_instance=lambda value: value in choices,
+        str_from_instance=lambda value: [value],
+    )
+
+
+_REGISTERED: weakref.WeakSet[ConstructorRegistry] = weakref.WeakSet()
+
+
+def _register(registry: ConstructorRegistry) -> None:
+    if registry in _REGISTERED:
+        return
+    registry.primitive_rule(_comma_list_rule)
+    registry.primitive_rule(_spmd_backend_rule)
+    _REGISTERED.add(registry)
+
+
+_CUSTOM_REGISTRY: list[ConstructorRegistry] = []
+
+
+def _custom_registry() -> ConstructorRegistry:
+    """The tyro registry :class:`ConfigManager` parses with, created with its rules on first use."""
+    if not _CUSTOM_REGISTRY:
+        registry = _tyro().constructors.ConstructorRegistry()
+        _register(registry)
+        _CUSTOM_REGISTRY.append(registry)
+    return _CUSTOM_REGISTRY[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "custom_registry":  # torchtitan's module-level name
+        return _custom_registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Finding the config function.
+# --------------------------------------------------------------------------------------
+def short_module_names() -> list[str]:
+    """The ``--module`` short names: subpackages of :data:`MODELS_PACKAGE` with a ``config_registry``.
+
+    Found on disk; nothing is imported.
+    """
+    try:
+        spec = importlib.util.find_spec(MODELS_PACKAGE)
+    except ModuleNotFoundError:
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    names = []
+    for info in pkgutil.iter_modules(spec.submodule_search_locations):
+        location = Path(getattr(info.module_finder, "path", "")) / info.name
+        if info.ispkg and importlib.machinery.PathFinder.find_spec("config_registry", [str(location)]):
+            names.append(info.name)
+    return sorted(names)
+
+
+def _exists(module_name: str) -> bool:
+    """Whether ``module_name`` can be found; an error inside a found parent propagates."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            return False
+        raise
+
+
+def _import_registry(name: str) -> tuple[ModuleType, str]:
+    """Import the module ``--module name`` means; return it and its dotted path."""
+    shorts = short_module_names()
+    candidates = [f"{MODELS_PACKAGE}.{name}.config_registry"] if name in shorts else []
+    candidates += [f"{name}.config_registry", name]
+    for candidate in candidates:
+        if candidate and not candidate.startswith(".") and _exists(candidate):
+            return importlib.import_module(candidate), candidate
+    raise ImportError(
+        f"Cannot import module '{name}' or '{name}.config_registry'. "
+        f"For shorthands, supported modules are: {shorts}"
+    )
+
+
+def _config_functions(module: ModuleType) -> list[str]:
+    return sorted(
+        name for name, obj in vars(module).items()
+        if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__
+    )
+
+
+def _take_option(args: list[str], names: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Remove ``--name V`` / ``--name=V`` (any of ``names``, hyphens or underscores) from ``args``."""
+    value: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        flag, eq, inline = args[i].partition("=")
+        if flag.startswith("--") and "--" + flag[2:].replace("-", "_") in names:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                value = args[i + 1]
+                i += 1
+            else:
+                raise ValueError(f"{flag} requires a value")
+        else:
+            rest.append(args[i])
+        i += 1
+    return value, rest
 
 
 class ConfigManager:
-    """Builds a :class:`JobConfig` from an optional TOML file and CLI overrides."""
+    """Parses a config from ``--module/--config`` (or a legacy TOML file) and CLI overrides.
 
-    def __init__(self, config_cls: type[JobConfig] = JobConfig) -> None:
-        self.config_cls = config_cls
-        self._flags: dict[str, tuple[str, str, Any]] = {}
-        for section, cls in config_cls.section_types().items():
-            hints = typing.get_type_hints(cls)
-            for f in dataclasses.fields(cls):
-                self._flags[f"--{section}.{f.name}"] = (section, f.name, hints[f.name])
+    Usage, as in torchtitan::
 
-    def help_text(self) -> str:
-        """A ``--help`` listing of every option with its type, default and doc."""
-        lines = ["Options (hyphens and underscores are interchangeable):"]
-        for section, cls in self.config_cls.section_types().items():
-            lines.append(f"\n[{section}]  {(cls.__doc__ or '').strip()}")
-            docs = _field_docs(cls)
-            defaults = cls()
-            for flag, (sec, name, tp) in self._flags.items():
-                if sec != section:
-                    continue
-                kind = "bool" if _is_bool(tp) else getattr(tp, "__name__", str(tp))
-                lines.append(f"  {flag}  ({kind}, default {getattr(defaults, name)!r})")
-                if docs.get(name):
-                    lines.append(f"      {docs[name]}")
-        return "\n".join(lines)
+        config = ConfigManager().parse_args(["--module", "llama3", "--config",
+                                             "llama3_debugmodel", "--training.steps", "5"])
+    """
 
-    def parse_args(self, argv: Sequence[str] | None = None) -> JobConfig:
-        """Parse ``argv`` (default ``sys.argv[1:]``) into a validated :class:`JobConfig`.
+    def __init__(self) -> None:
+        self.register_tyro_rules(_custom_registry())
+        self.config: Any = None
 
-        ``--job.config_file PATH`` loads a TOML file first; the other flags override it.
-        ``-h``/``--help`` prints the options and exits.
+    def parse_args(self, args: Sequence[str] | None = None) -> Any:
+        """Parse ``args`` (default ``sys.argv[1:]``) into a config; also kept as ``self.config``.
+
+        Raises:
+            ValueError: ``--module`` or ``--config`` missing (``"--module is required..."``),
+                a config function that does not exist (the message lists the available
+                ones), or ``--job.config_file`` combined with ``--module/--config``.
+            ImportError: ``--module`` names no importable module (``"Cannot import module..."``).
+            SystemExit: tyro's exit status 2 for a bad override, 0 after ``--help``.
         """
-        args = list(sys.argv[1:] if argv is None else argv)
-        if "-h" in args or "--help" in args:
-            print(self.help_text())
-            raise SystemExit(0)
-        args = _legacy.translate_legacy_cli_args(args)  # compat hook
-        overrides = self._parse_overrides(args)
-        config_file = next(
-            (value for (section, name), value in overrides.items() if (section, name) == ("job", "config_file")),
-            None,
-        )
-        data: dict[str, dict[str, Any]] = {}
-        if config_file is not None:
-            data = self._load_toml(config_file)
-        for (section, name), value in overrides.items():
-            table = data.setdefault(section, {})
-            # A TOML key spelled with hyphens would otherwise survive next to the override.
-            for key in [k for k in table if _norm(k) == name]:
-                del table[key]
-            table[name] = value
-        return self.config_cls.from_dict(data)
+        loaded, rest = self._load_config(list(sys.argv[1:] if args is None else args))
+        self.config = self.parse_overrides(loaded, rest)
+        return self.config
 
-    def _load_toml(self, path: str) -> dict[str, dict[str, Any]]:
+    def parse_overrides(self, config: Any, args: Sequence[str]) -> Any:
+        """Apply ``--section.field`` overrides in ``args`` to a copy of ``config`` with tyro.
+
+        ``config`` is any dataclass root; it is left unchanged. No ``--module`` is needed.
+        """
+        args = _legacy.translate_legacy_cli_args(list(args))  # compat hook
+        return _tyro().cli(type(config), args=args, default=config, registry=_custom_registry())
+
+    def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
+        """Strip ``--module``/``--config`` (or ``--job.config_file``); return the config and the rest."""
+        module_name, args = _take_option(args, ("--module",))
+        config_name, args = _take_option(args, ("--config",))
+        config_file, args = _take_option(args, ("--job.config_file",))
+        if config_file is not None:
+            if module_name is not None or config_name is not None:
+                raise ValueError(
+                    "--job.config_file (a legacy TOML config) cannot be combined with "
+                    "--module/--config; use one or the other."
+                )
+            return self._load_toml(config_file), args
+        if module_name is None and config_name is None and {"-h", "--help"} & set(args):
+            _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry())
+        if module_name is None:
+            raise ValueError(f"--module is required. {_EXAMPLE}")
+        if config_name is None:
+            raise ValueError(f"--config is required. {_EXAMPLE}")
+        module, module_path = _import_registry(module_name)
+        config_fn = getattr(module, config_name, None)
+        if config_fn is None or not callable(config_fn):
+            raise ValueError(
+                f"Config function '{config_name}' not found in {module_path}. "
+                f"Available config functions: {_config_functions(module)}"
+            )
+        loaded = config_fn()
+        if not dataclasses.is_dataclass(loaded) or isinstance(loaded, type):
+            raise TypeError(
+                f"{module_path}.{config_name}() must return a dataclass instance (a config "
+                f"root such as JobConfig), got {type(loaded).__name__}."
+            )
+        return loaded, args
+
+    @staticmethod
+    def _load_toml(path: str) -> JobConfig:
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"job.config_file: no such file {path!r}.")
@@ -176,55 +301,68 @@ class ConfigManager:
                     f"{path}: top-level key {section!r} must be a [section] table, "
                     f"got {type(table).__name__}."
                 )
-        return data
+        config = JobConfig.from_dict(data)
+        config.job.config_file = path
+        return config
 
-    def _parse_overrides(self, args: list[str]) -> dict[tuple[str, str], Any]:
-        overrides: dict[tuple[str, str], Any] = {}
-        i = 0
-        while i < len(args):
-            arg = args[i]
-            if not arg.startswith("--"):
-                raise ValueError(
-                    f"unexpected argument {arg!r}; options look like --section.field value."
-                )
-            flag, eq, inline = arg.partition("=")
-            negative = False
-            key = _norm(flag)
-            if key not in self._flags:
-                section, _, name = key[2:].partition(".")
-                if name.startswith("no_") and f"--{section}.{name[3:]}" in self._flags:
-                    key, negative = f"--{section}.{name[3:]}", True
-                else:
-                    raise ValueError(
-                        f"unknown option {flag!r}.{suggest(key, self._flags)} "
-                        "Run with --help to list the options."
-                    )
-            section, name, tp = self._flags[key]
-            if negative and not _is_bool(tp):
-                raise ValueError(f"{flag}: only boolean options have a --section.no-field form.")
-            if _is_bool(tp):
-                if eq:
-                    value = _parse_value(flag, inline, tp)
-                elif i + 1 < len(args) and args[i + 1].lower() in _TRUE | _FALSE:
-                    value = _parse_value(flag, args[i + 1], tp)
-                    i += 1
-                else:
-                    value = True
-                if negative:
-                    if eq:
-                        raise ValueError(f"{flag}: the --no- form takes no value.")
-                    value = not value
-            else:
-                if eq:
-                    raw = inline
-                elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                    raw = args[i + 1]
-                    i += 1
-                else:
-                    raise ValueError(f"{flag}: missing value.")
-                value = _parse_value(flag, raw, tp)
-            overrides[(section, name)] = value
-            i += 1
-        return overrides
+    @staticmethod
+    def register_tyro_rules(registry: ConstructorRegistry) -> None:
+        """Register this library's tyro rules on ``registry`` (once per registry).
+
+        ``list[str]`` fields take one comma-separated value; ``spmd_backend``
+        accepts ``"partial_dtensor"`` and suggests the closest choice when wrong.
+        """
+        _register(registry)
+
+    @staticmethod
+    def _merge_configs(base: type, custom: type) -> type:
+        """Deprecated, as in torchtitan: a dataclass merging ``custom``'s fields into ``base``'s.
+
+        Fields present in both whose types are both dataclasses are merged
+        recursively; otherwise ``custom``'s field wins. The result subclasses ``base``.
+        Return a fork's own root dataclass from a ``config_registry`` function instead.
+        """
+        warnings.warn(
+            "ConfigManager._merge_configs is deprecated; return a fork's own root dataclass "
+            "from a config_registry function instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return _merge(base, custom)
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - unresolvable forward references: keep the raw annotations
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _copy_field(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    if f.default is not dataclasses.MISSING:
+        return dataclasses.field(default=f.default, metadata=f.metadata)
+    return dataclasses.field(metadata=f.metadata)
+
+
+def _merge(base: type, custom: type) -> type:
+    base_types, custom_types = _field_types(base), _field_types(custom)
+    custom_fields = {f.name: f for f in dataclasses.fields(custom)}
+    spec: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(base):
+        theirs = custom_fields.get(f.name)
+        mine_t, theirs_t = base_types[f.name], custom_types.get(f.name)
+        if theirs is None:
+            spec.append((f.name, mine_t, _copy_field(f)))
+        elif dataclasses.is_dataclass(mine_t) and dataclasses.is_dataclass(theirs_t):
+            merged = _merge(mine_t, theirs_t)  # type: ignore[arg-type]
+            spec.append((f.name, merged, dataclasses.field(default_factory=merged)))
+        else:
+            spec.append((f.name, theirs_t, _copy_field(theirs)))
+    for name, theirs in custom_fields.items():
+        if name not in {n for n, _, _ in spec}:
+            spec.append((name, custom_types[name], _copy_field(theirs)))
+    return dataclasses.make_dataclass(f"Merged{base.__name__}", spec, bases=(base,), kw_only=True)

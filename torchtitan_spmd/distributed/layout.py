@@ -38,7 +38,18 @@ AxisType: TypeAlias = PerMeshAxisLocalSpmdType | Shard
 #: One partition-spec entry: unsharded, one axis, or several axes in sharding order.
 SpecEntry: TypeAlias = str | tuple[str, ...] | None
 
-__all__ = ["AxisType", "I", "P", "R", "S", "SpecEntry", "SpmdLayout", "V"]
+__all__ = [
+    "AxisType",
+    "I",
+    "P",
+    "R",
+    "S",
+    "SpecEntry",
+    "SpmdLayout",
+    "V",
+    "dtensor_placement",
+    "spmd_layout_to_dtensor_placements",
+]
 
 
 def _is_axis_type(value: object) -> bool:
@@ -50,8 +61,9 @@ class SpmdLayout:
     """Per-mesh-axis ``spmd_types`` types plus an optional partition spec. Immutable.
 
     Args:
-        types: mapping of mesh-axis name to ``R``, ``I``, ``V``, ``P`` or ``S(d)``.
-            Axes not listed are ``R``.
+        axis_types: mapping of mesh-axis name (a ``str`` or ``MeshAxisName``) to ``R``,
+            ``I``, ``V``, ``P`` or ``S(d)``. Axes not listed are ``R``. Also readable
+            as :attr:`types`.
         partition_spec: optional; one entry per tensor dim. Mutually exclusive
             with ``S(d)`` types.
 
@@ -62,13 +74,15 @@ class SpmdLayout:
             other than ``V``; ``V`` without a spec entry.
     """
 
-    types: Mapping[str, AxisType] = field(default_factory=dict)
+    axis_types: Mapping[str, AxisType] = field(default_factory=dict)
     partition_spec: tuple[SpecEntry, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.types, Mapping):
-            raise TypeError(f"SpmdLayout.types must be a mapping, got {type(self.types).__name__}.")
-        items = tuple(self.types.items())
+        if not isinstance(self.axis_types, Mapping):
+            raise TypeError(
+                f"SpmdLayout.axis_types must be a mapping, got {type(self.axis_types).__name__}."
+            )
+        items = tuple(self.axis_types.items())
         for axis, typ in items:
             if not isinstance(axis, str):
                 raise TypeError(f"SpmdLayout: mesh-axis names must be str, got {axis!r}.")
@@ -78,7 +92,7 @@ class SpmdLayout:
                     "spmd_types R, I, V, P or S(dim)."
                 )
         # Freeze: a read-only, hashable view of the mapping.
-        object.__setattr__(self, "types", _FrozenTypes(items))
+        object.__setattr__(self, "axis_types", _FrozenTypes(items))
         if self.partition_spec is not None:
             self._validate_spec(items)
         else:
@@ -113,7 +127,7 @@ class SpmdLayout:
                 if axis in seen:
                     raise ValueError(f"SpmdLayout: axis {axis!r} appears twice in partition_spec.")
                 seen.add(axis)
-                typ = self.types.get(axis, V)
+                typ = self.axis_types.get(axis, V)
                 if typ is not V:
                     raise ValueError(
                         f"SpmdLayout: axis {axis!r} is in partition_spec but typed {typ!r}; "
@@ -123,12 +137,35 @@ class SpmdLayout:
         object.__setattr__(self, "partition_spec", tuple(normalised))
 
     # ----------------------------------------------------------------------------------
+    @property
+    def types(self) -> Mapping[str, AxisType]:
+        """The per-axis types as given (:attr:`axis_types`, torchtitan's name)."""
+        return self.axis_types
+
+    def axes(self) -> tuple[str, ...]:
+        """The axes named in :attr:`axis_types`, in order (as torchtitan's ``SpmdLayout.axes``)."""
+        return tuple(self.axis_types)
+
+    def per_axis_spmd_types(self) -> dict[str, AxisType]:
+        """Per-axis types with each partition-spec axis written as ``S(dim)``.
+
+        ``{DP: R, CP: V}`` with spec ``(None, CP)`` gives ``{DP: R, CP: S(1)}``.
+        Several axes on one dim all become ``S(dim)``, so the shard order is lost:
+        this is the form ``spmd_types.redistribute`` takes, not a full description.
+        Keys are the objects given (``str`` or ``MeshAxisName``).
+        """
+        result: dict[str, AxisType] = dict(self.axis_types)
+        for dim, entry in enumerate(self.partition_spec or ()):
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                result[axis] = S(dim)
+        return result
+
     def type_of(self, axis: str) -> AxisType:
         """The type on ``axis``: ``S(d)`` for a spec axis sharding dim ``d``, ``R`` if unlisted."""
         dims = self.shard_dims()
         if axis in dims and len(self._axes_on_dim(dims[axis])) == 1:
             return S(dims[axis])
-        return self.types.get(axis, V if axis in dims else R)
+        return self.axis_types.get(axis, V if axis in dims else R)
 
     def _axes_on_dim(self, dim: int) -> tuple[str, ...]:
         return tuple(a for a, d in self.shard_dims().items() if d == dim)
@@ -136,7 +173,7 @@ class SpmdLayout:
     def shard_dims(self) -> dict[str, int]:
         """Map of each sharding axis to the tensor dim it shards."""
         if self.partition_spec is None:
-            return {a: t.dim for a, t in self.types.items() if isinstance(t, Shard)}
+            return {a: t.dim for a, t in self.axis_types.items() if isinstance(t, Shard)}
         out: dict[str, int] = {}
         for dim, entry in enumerate(self.partition_spec):
             for axis in (entry,) if isinstance(entry, str) else (entry or ()):
@@ -154,7 +191,7 @@ class SpmdLayout:
 
     def with_types(self, **types: AxisType) -> SpmdLayout:
         """A copy with some axes' types replaced (the partition spec is kept)."""
-        merged = dict(self.types)
+        merged = dict(self.axis_types)
         merged.update(types)
         return SpmdLayout(merged, self.partition_spec)
 
@@ -168,7 +205,7 @@ class SpmdLayout:
                 names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in keep)
                 spec.append(None if not names else names[0] if len(names) == 1 else names)
             spec = tuple(spec)
-        return SpmdLayout({a: t for a, t in self.types.items() if a in keep}, spec)
+        return SpmdLayout({a: t for a, t in self.axis_types.items() if a in keep}, spec)
 
     def placements(self, mesh_dim_names: Sequence[str]) -> tuple[Any, ...]:
         """DTensor placements on a mesh with these dim names.
@@ -176,7 +213,6 @@ class SpmdLayout:
         Raises ValueError for ``V`` (no DTensor equivalent) and for a dim sharded
         over several axes in an order other than the mesh's.
         """
-        from torch.distributed.tensor import Partial, Replicate
         from torch.distributed.tensor import Shard as DShard
 
         dims = self.shard_dims()
@@ -192,21 +228,50 @@ class SpmdLayout:
                     )
                 out.append(DShard(dims[axis]))
                 continue
-            typ = self.types.get(axis, R)
-            if typ is R or typ is I:
-                out.append(Replicate())
-            elif typ is P:
-                out.append(Partial())
-            else:
-                raise ValueError(
-                    f"SpmdLayout: axis {axis!r} is V with no shard dim; DTensor has no placement for it."
-                )
+            out.append(dtensor_placement(axis, self.axis_types.get(axis, R)))
         return tuple(out)
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{a}={t!r}" for a, t in self.types.items())
+        body = ", ".join(f"{a}={t!r}" for a, t in self.axis_types.items())
         spec = f", partition_spec={self.partition_spec!r}" if self.partition_spec is not None else ""
         return f"SpmdLayout({body}{spec})"
+
+
+def dtensor_placement(axis: str, typ: AxisType) -> Any:
+    """The DTensor placement of one per-axis type: R/I -> Replicate, P -> Partial, S(d) -> Shard(d).
+
+    Raises ValueError for ``V``, which has no DTensor placement.
+    """
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    if isinstance(typ, Shard):
+        return DShard(typ.dim)
+    if typ is R or typ is I:
+        return Replicate()
+    if typ is P:
+        return Partial()
+    raise ValueError(
+        f"SpmdLayout: axis {axis!r} is V with no shard dim; DTensor has no placement for it."
+    )
+
+
+def spmd_layout_to_dtensor_placements(layout: SpmdLayout) -> dict[str, Any]:
+    """DTensor placements keyed by mesh axis, as torchtitan's function of that name.
+
+    From :meth:`SpmdLayout.per_axis_spmd_types` (so the shard order of a dim
+    sharded over several axes is not kept); the logical ``dp`` axis is given to
+    both ``dp_replicate`` and ``dp_shard``. Raises ValueError for a ``V`` axis.
+    """
+    result: dict[str, Any] = {}
+    for axis, typ in layout.per_axis_spmd_types().items():
+        placement = dtensor_placement(axis, typ)
+        if str(axis) == "dp":
+            result["dp_replicate"] = placement
+            result["dp_shard"] = placement
+        else:
+            result[axis] = placement
+    return result
 
 
 class _FrozenTypes(Mapping[str, AxisType]):

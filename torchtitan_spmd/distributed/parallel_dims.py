@@ -42,7 +42,6 @@ Real and fake axes
 
 from __future__ import annotations
 
-import difflib
 import enum
 import math
 from collections.abc import Iterable, Sequence
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_spmd._errors import suggest
 from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat hook
 from torchtitan_spmd.config import SPMD_BACKEND_ALIASES, SPMD_BACKENDS
 
@@ -62,7 +62,27 @@ from .layout import SpmdLayout
 if TYPE_CHECKING:
     from torchtitan_spmd.config import ParallelismConfig
 
-__all__ = ["MeshAxisName", "ParallelDims", "SpmdLayout", "unfold_dp_axes"]
+__all__ = [
+    "MeshAxisName",
+    "ParallelDims",
+    "ParallelDimsError",
+    "SpmdLayout",
+    "device_type",
+    "unfold_dp_axes",
+]
+
+#: The device type of meshes built by a ``ParallelDims`` created without one:
+#: ``"cuda"`` when CUDA is available, else ``"cpu"``. Read when the ``ParallelDims``
+#: is created, so patching it (as torchtitan's tests patch theirs) takes effect.
+device_type: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ParallelDimsError(ValueError, AssertionError):
+    """Invalid parallel degrees: a ``ValueError`` that is also an ``AssertionError``.
+
+    torchtitan's ``ParallelDims`` asserts its degrees; this library raises a
+    ``ValueError`` naming them, and keeps ``except AssertionError`` working.
+    """
 
 
 class MeshAxisName(enum.StrEnum):
@@ -142,7 +162,8 @@ class _BackendMeshes:
     in_band: frozenset[str] | None
     #: ``resolve_mesh`` first replaces a logical ``dp`` with ``dp_replicate, dp_shard``.
     unfold_dp: bool
-    #: The axes of each mesh in ``spmd_meshes()``, before inactive axes are dropped.
+    #: The axes of each mesh in ``spmd_meshes()`` (dense, then sparse), before inactive
+    #: axes are dropped; torchtitan's candidates.
     spmd_meshes: tuple[tuple[str, ...], ...]
     #: ``resolve_mesh`` raises unless its result is one of ``spmd_meshes()``.
     resolve_to_spmd_mesh_only: bool
@@ -151,6 +172,7 @@ class _BackendMeshes:
 _DATA = ("pp", "batch", "cp", "tp")  # data loading: which batch shard a rank reads
 _LOSS = ("loss",)  # loss all-reduce over every data-parallel rank
 _SPARSE = ("pp", "dp_replicate", "efsdp", "ep")  # MoE experts
+_SPARSE_SPMD = ("dp_replicate", "efsdp", "ep")  # the sparse SPMD mesh (pp never is one)
 
 _BACKEND_MESHES: dict[str, _BackendMeshes] = {
     "default": _BackendMeshes(
@@ -163,7 +185,7 @@ _BACKEND_MESHES: dict[str, _BackendMeshes] = {
         always_active=frozenset({"fsdp"}),
         in_band=frozenset({"tp", "ep"}),
         unfold_dp=False,
-        spmd_meshes=(("tp",), ("ep",)),
+        spmd_meshes=(("dp_replicate", "fsdp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=False,
     ),
     "full_dtensor": _BackendMeshes(
@@ -176,7 +198,7 @@ _BACKEND_MESHES: dict[str, _BackendMeshes] = {
         always_active=frozenset({"dp_shard"}),
         in_band=None,
         unfold_dp=True,
-        spmd_meshes=(("dp_replicate", "dp_shard", "cp", "tp"), ("dp_replicate", "efsdp", "ep")),
+        spmd_meshes=(("dp_replicate", "dp_shard", "cp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=True,
     ),
     "spmd_types": _BackendMeshes(
@@ -190,7 +212,7 @@ _BACKEND_MESHES: dict[str, _BackendMeshes] = {
         always_active=frozenset({"dp_shard"}),
         in_band=frozenset({"dp", "cp", "tp", "ep"}),
         unfold_dp=False,
-        spmd_meshes=(("dp", "cp", "tp"), ("ep",)),
+        spmd_meshes=(("dp", "cp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=False,
     ),
 }
@@ -203,11 +225,6 @@ if set(_BACKEND_MESHES) != set(SPMD_BACKENDS):  # pragma: no cover - a packaging
 
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _FROZEN_AFTER_BUILD = (*_DEGREES, "world_size", "spmd_backend", "device_type")
-
-
-def _suggest(value: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean {match[0]!r}?" if match else ""
 
 
 def _ensure_fake_backend_registered() -> None:
@@ -235,14 +252,18 @@ class ParallelDims:
             ranks of ``dp_shard * cp * tp``, which it must divide.
         world_size: the number of ranks.
         spmd_backend: ``"default"``, ``"full_dtensor"`` or ``"spmd_types"``.
-        device_type: device of the meshes; default ``"cuda"`` when CUDA is
-            available, else ``"cpu"``. Also chooses the process-group backend
-            (:attr:`pg_backend`) if ``build_mesh`` has to initialise one.
+        device_type: device of the meshes; default: the module-level
+            :data:`device_type` (``"cuda"`` when CUDA is available, else ``"cpu"``).
+            Also chooses the process-group backend (:attr:`pg_backend`) if
+            ``build_mesh`` has to initialise one.
 
     Raises:
-        ValueError: a degree below 1 (``dp_shard`` may be -1); degrees whose product
-            is not ``world_size``; ``ep`` not dividing ``dp_shard * cp * tp``; an
-            unknown ``spmd_backend``.
+        ParallelDimsError: (a ``ValueError`` and an ``AssertionError``) a degree below 1
+            (``dp_shard`` may be -1); ``dp_shard=-1`` with the other degrees not dividing
+            ``world_size``; degrees whose product is not ``world_size``; ``ep`` not
+            dividing ``dp_shard * cp * tp``.
+        ValueError: an unknown ``spmd_backend``.
+        TypeError: a degree that is not an int.
 
     The degrees are fixed once the meshes are built.
     """
@@ -268,7 +289,7 @@ class ParallelDims:
     # ---------------------------------------------------------------- construction
     def __post_init__(self) -> None:
         if self.device_type is None:
-            self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device_type = device_type  # the module-level default
         if not (isinstance(self.device_type, str) and self.device_type.isalpha()):
             raise ValueError(
                 f"ParallelDims: device_type must be a device type such as 'cpu' or 'cuda' "
@@ -294,7 +315,7 @@ class ParallelDims:
         if value not in _BACKEND_MESHES:
             raise ValueError(
                 f"ParallelDims: unknown spmd_backend {value!r}; valid choices are "
-                f"{', '.join(map(repr, SPMD_BACKENDS))}.{_suggest(str(value), SPMD_BACKENDS)}"
+                f"{', '.join(map(repr, SPMD_BACKENDS))}.{suggest(str(value), SPMD_BACKENDS)}"
             )
         return str(value)
 
@@ -307,15 +328,15 @@ class ParallelDims:
                 )
         for name in ("dp_replicate", "cp", "tp", "pp", "ep", "world_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ParallelDims: {name} must be >= 1, got {getattr(self, name)}.")
+                raise ParallelDimsError(f"ParallelDims: {name} must be >= 1, got {getattr(self, name)}.")
         if self.dp_shard < 1 and self.dp_shard != -1:
-            raise ValueError(
+            raise ParallelDimsError(
                 f"ParallelDims: dp_shard must be >= 1, or -1 to infer it, got {self.dp_shard}."
             )
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
-                raise ValueError(
+                raise ParallelDimsError(
                     "ParallelDims: cannot infer dp_shard (-1): dp_replicate "
                     f"({self.dp_replicate}) * cp ({self.cp}) * tp ({self.tp}) * pp ({self.pp}) "
                     f"= {others} does not divide world_size ({self.world_size})."
@@ -323,7 +344,7 @@ class ParallelDims:
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
         if product != self.world_size:
-            raise ValueError(
+            raise ParallelDimsError(
                 f"ParallelDims: dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * "
                 f"cp ({self.cp}) * tp ({self.tp}) * pp ({self.pp}) = {product}, "
                 f"but world_size is {self.world_size}. (ep is not a factor: it reuses "
@@ -331,7 +352,7 @@ class ParallelDims:
             )
         region = self.dp_shard * self.cp * self.tp
         if region % self.ep:
-            raise ValueError(
+            raise ParallelDimsError(
                 f"ParallelDims: ep ({self.ep}) must divide dp_shard * cp * tp = "
                 f"{self.dp_shard} * {self.cp} * {self.tp} = {region}, because expert "
                 "parallelism reuses those ranks."
@@ -413,7 +434,7 @@ class ParallelDims:
         if name not in valid:
             raise ValueError(
                 f"ParallelDims: unknown mesh axis {axis!r}; valid names are "
-                f"{', '.join(map(repr, valid))}.{_suggest(name, valid)}"
+                f"{', '.join(map(repr, valid))}.{suggest(name, valid)}"
             )
         return name
 
@@ -426,8 +447,9 @@ class ParallelDims:
         for name in names:
             if name not in valid:
                 raise ValueError(
-                    f"ParallelDims: unknown mesh {name!r} for spmd_backend={self.spmd_backend!r}; "
-                    f"valid names are {', '.join(map(repr, valid))}.{_suggest(name, valid)}"
+                    f"ParallelDims: Invalid mesh dim: {name!r} under spmd_backend="
+                    f"{self.spmd_backend!r}. Valid dimensions are: {list(valid)}."
+                    f"{suggest(name, valid)}"
                 )
         if len(set(names)) != len(names):
             raise ValueError(f"ParallelDims: mesh axes {names} repeat an axis.")
@@ -560,6 +582,17 @@ class ParallelDims:
         self.build_mesh()
         return {name: self._meshes[axes] for name, axes in self._table.global_meshes.items()}
 
+    @property
+    def _single_axis_meshes(self) -> dict[str, DeviceMesh]:
+        """Every 1-D mesh by axis name, fake-backed ones included; empty before ``build_mesh``.
+
+        The name and contents of torchtitan's attribute, which its tests and some
+        forks read; prefer :meth:`get_optional_mesh`.
+        """
+        if self._world_mesh is None:
+            return {}
+        return {name: self._mesh((name,)) for name in self.mesh_axis_names}
+
     def get_optional_mesh(
         self,
         dims: str | Sequence[str],
@@ -568,17 +601,18 @@ class ParallelDims:
     ) -> DeviceMesh | None:
         """The mesh over axis ``dims`` (a name or a sequence of names), or None.
 
-        Returns None when a requested axis is inactive (see :meth:`is_axis_active`)
-        unless ``include_singleton_axes``. A multi-axis mesh is sliced from the first
-        global mesh that contains every requested axis, with the axes in that
-        mesh's order (whatever the order requested). Results are cached: the same
-        request returns the same object.
+        Builds the meshes first if needed. Returns None when a requested axis is
+        inactive (see :meth:`is_axis_active`) unless ``include_singleton_axes``. A
+        multi-axis mesh is sliced from the first global mesh that contains every
+        requested axis, with the axes in that mesh's order (whatever the order
+        requested). Results are cached: the same request returns the same object.
 
         Raises:
-            ValueError: an unknown axis name (the message lists this backend's
-                names), a repeated axis, or axes that no global mesh combines.
+            ValueError: an unknown axis name (``"Invalid mesh dim: ..."``, listing this
+                backend's names), a repeated axis, or axes that no global mesh combines.
         """
         names = self._names(dims)
+        self.build_mesh()
         if len(names) > 1:
             for axes in self._table.global_meshes.values():
                 if set(names) <= set(axes):
@@ -586,8 +620,8 @@ class ParallelDims:
                     break
             else:
                 raise ValueError(
-                    f"ParallelDims: no mesh of spmd_backend={self.spmd_backend!r} combines "
-                    f"{names}; its global meshes are "
+                    f"ParallelDims: Invalid mesh name combinations {list(names)}: no mesh of "
+                    f"spmd_backend={self.spmd_backend!r} combines them; its global meshes are "
                     + ", ".join(f"{k}={v}" for k, v in self._table.global_meshes.items())
                     + "."
                 )
@@ -605,15 +639,18 @@ class ParallelDims:
                 if not self.is_axis_active(n)
             ]
             raise ValueError(
-                f"ParallelDims: mesh {dims!r} is not available under "
-                f"spmd_backend={self.spmd_backend!r}: inactive axes {', '.join(inactive)}. "
-                "An axis is active when it has a real process group, i.e. mostly when its "
-                "size is > 1 (see is_axis_active; get_optional_mesh returns None instead)."
+                f"Mesh {dims!r} is not available under spmd_backend={self.spmd_backend!r}: "
+                f"inactive axes {', '.join(inactive)}. Ensure the corresponding parallelism "
+                "dimension is enabled (size > 1); an axis is active when it has a real process "
+                "group (see is_axis_active; get_optional_mesh returns None instead)."
             )
         return mesh
 
     def get_activated_mesh(self, axes: str | Sequence[str]) -> DeviceMesh | None:
-        """The mesh over the active ones of ``axes``; None if none is active."""
+        """The mesh over the active ones of ``axes``; None if none is active.
+
+        Unlike :meth:`get_optional_mesh`, which returns None as soon as one axis is inactive.
+        """
         names = [n for n in self._names(axes) if self.is_axis_active(n)]
         return self.get_optional_mesh(names) if names else None
 
@@ -637,7 +674,7 @@ class ParallelDims:
             if name not in known:
                 raise ValueError(
                     f"ParallelDims.resolve_mesh: unknown axis {name!r}; valid names are "
-                    f"{', '.join(map(repr, known))}.{_suggest(name, known)}"
+                    f"{', '.join(map(repr, known))}.{suggest(name, known)}"
                 )
         if table.in_band is not None:
             names = [n for n in names if n in table.in_band]
@@ -656,21 +693,42 @@ class ParallelDims:
                 )
         return mesh
 
+    def resolve_shared_mesh(self, placements: Iterable[SpmdLayout | None]) -> DeviceMesh | None:
+        """The mesh shared by the layouts of one module boundary (``None`` entries skipped).
+
+        Every layout must name the same axes, in the same order (their types may
+        differ: that is a redistribution on one mesh). Returns :meth:`resolve_mesh`
+        of those axes, or None when every entry is None or no axis is kept.
+
+        Raises:
+            ValueError: two layouts name different axes (torchtitan asserts).
+        """
+        layouts = [p for p in placements if p is not None]
+        if not layouts:
+            return None
+        axes = layouts[0].axes()
+        for other in layouts[1:]:
+            if other.axes() != axes:
+                raise ValueError(
+                    "ParallelDims.resolve_shared_mesh: Inconsistent mesh axes within a boundary: "
+                    f"{[str(a) for a in axes]} vs {[str(a) for a in other.axes()]}."
+                )
+        return self.resolve_mesh(axes)
+
     def spmd_meshes(self) -> list[DeviceMesh]:
-        """The meshes that this backend's tensors live on, restricted to active axes.
+        """The SPMD meshes of this backend, dense then sparse, restricted to active axes.
 
-        - default: the 1-D ``tp`` mesh and the 1-D ``ep`` mesh (DTensors exist only
-          on those; FSDP's data-parallel sharding is not part of the SPMD program);
-        - full_dtensor: the dense mesh ``(dp_replicate, dp_shard, cp, tp)`` and the
-          sparse mesh ``(dp_replicate, efsdp, ep)``;
-        - spmd_types: the forward/backward mesh ``(dp, cp, tp)`` and the 1-D ``ep``
-          mesh (the in-band axes of ``resolve_mesh`` cannot name ``efsdp``).
+        As torchtitan's, built on first use:
 
-        ``pp`` is never part of them: each pipeline stage holds different modules,
-        so a rank's tensors live on its own stage's slice and no collective spans
-        stages. Inactive axes are dropped, and a mesh with no active axis is left
-        out, so these are exactly what :meth:`resolve_mesh` returns for a tensor
-        that names every axis. Identity holds: ``resolve_mesh(...) in spmd_meshes()``.
+        - default: ``(dp_replicate, fsdp, tp)`` and ``(dp_replicate, efsdp, ep)``;
+        - full_dtensor: ``(dp_replicate, dp_shard, cp, tp)`` and ``(dp_replicate, efsdp, ep)``;
+        - spmd_types: ``(dp, cp, tp)`` and ``(dp_replicate, efsdp, ep)``.
+
+        Inactive axes are dropped (``fsdp`` and, except under default, ``dp_shard``
+        are always active; ``efsdp`` is active iff ``ep > 1``), and a mesh with no
+        active axis is left out. ``pp`` is never part of them: each pipeline stage
+        holds different modules, so no tensor spans stages. Under ``full_dtensor``,
+        :meth:`resolve_mesh` returns one of these objects or raises.
         """
         out: list[DeviceMesh] = []
         for axes in self._table.spmd_meshes:
@@ -680,17 +738,14 @@ class ParallelDims:
         return out
 
     def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
-        """The 1-D meshes of the axes with a real process group and size > 1.
+        """The 1-D meshes of size > 1, by axis name, as torchtitan's.
 
-        Fake-backed axes (e.g. ``efsdp`` when ``ep == 1``) are left out: their
-        groups cannot carry collectives.
+        Fake-backed axes are included (e.g. ``efsdp`` when ``ep == 1``), as in
+        torchtitan: their groups carry no data, so check :meth:`is_axis_active`
+        before running a collective on one.
         """
         self.build_mesh()
-        return {
-            name: self._mesh((name,))
-            for name in self.mesh_axis_names
-            if self.is_axis_active(name) and self.axis_size(name) > 1
-        }
+        return {name: mesh for name, mesh in self._single_axis_meshes.items() if mesh.size() > 1}
 
     # ---------------------------------------------------------------- properties
     @property

@@ -1,0 +1,1 @@
+"""A fork package whose config registry needs a dependency that is not installed."""

@@ -1,0 +1,3 @@
+"""A fork package that itself needs a dependency that is not installed."""
+
+import acme_missing_dependency  # noqa: F401

@@ -1,0 +1,5 @@
+"""Never imported: the package's __init__ fails first."""
+
+
+def broken_debug() -> None:
+    """Never reached."""

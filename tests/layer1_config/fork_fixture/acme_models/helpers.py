@@ -1,0 +1,1 @@
+"""A plain module: not a ``--module`` short name."""

@@ -1,0 +1,1 @@
+"""A model family with a config registry."""

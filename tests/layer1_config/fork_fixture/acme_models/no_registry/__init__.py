@@ -1,0 +1,1 @@
+"""A package without a config registry: not a ``--module`` short name."""

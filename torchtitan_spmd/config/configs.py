@@ -1,0 +1,515 @@
+"""The config sections, a drop-in for ``torchtitan.config.configs``.
+
+Training, parallelism, checkpoint, activation checkpointing, compile, comm and
+debug have torchtitan's fields, types and defaults (pytorch/torchtitan at
+a0c831c49, June 2026); job, model, optimizer, lr_scheduler and metrics are this
+library's own. Every section is a keyword-only dataclass that tyro can parse and
+that checks its values on construction (see :mod:`._section`).
+
+Fields for features this library does not implement yet keep torchtitan's
+default; :func:`torchtitan_spmd.config.support.check_supported` rejects any
+other value at setup, naming the feature.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+# Lines marked "compat hook" call into compat/ for the legacy `full_dtensor`
+# spellings; deleting compat/ and those lines removes legacy support.
+from torchtitan_spmd.compat import legacy as _legacy  # compat hook
+
+from ._section import Section, check_value
+
+__all__ = [
+    "SPMD_BACKENDS",
+    "SPMD_BACKEND_ALIASES",
+    "ActivationCheckpointConfig",
+    "CheckpointConfig",
+    "CommConfig",
+    "CompileConfig",
+    "DebugConfig",
+    "JobSection",
+    "LRSchedulerConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "SpmdBackend",
+    "TrainingConfig",
+]
+
+SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
+
+#: The valid values of ``parallelism.spmd_backend``, in documentation order.
+SPMD_BACKENDS: tuple[str, ...] = get_args(SpmdBackend)
+
+#: Spellings written by newer torchtitan releases, normalised on load.
+#: ``"partial_dtensor"`` is upstream's later name for ``"default"``.
+SPMD_BACKEND_ALIASES: dict[str, str] = {"partial_dtensor": "default"}
+
+
+# --------------------------------------------------------------------------------------
+# This library's own sections.
+# --------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class JobSection(Section):
+    """``[job]``: where a legacy TOML config came from and where outputs go."""
+
+    section_name: typing.ClassVar[str] = "job"
+
+    config_file: str | None = None
+    """The TOML file this config was loaded from (``--job.config_file``, the pre-registry loader)."""
+
+    dump_folder: str = "./outputs"
+    """Folder for logs and other outputs of the run."""
+
+    description: str = "torchtitan_spmd job"
+    """Free-form description printed at start-up."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig(Section):
+    """``[model]``: which model family and size preset to build."""
+
+    section_name: typing.ClassVar[str] = "model"
+
+    name: str = "llama3"
+    """Model family, e.g. ``"llama3"`` or ``"qwen3"``."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the family, e.g. ``"debugmodel"``."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig(Section):
+    """``[optimizer]``: AdamW settings."""
+
+    section_name: typing.ClassVar[str] = "optimizer"
+
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class. Only ``"AdamW"`` is built in."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+
+
+@dataclass(kw_only=True)
+class LRSchedulerConfig(Section):
+    """``[lr_scheduler]``: linear warmup, then cosine decay."""
+
+    section_name: typing.ClassVar[str] = "lr_scheduler"
+
+    warmup_steps: int = 2
+    """Steps of linear warmup from 0 to ``optimizer.lr``."""
+
+    min_lr_factor: float = 0.1
+    """Cosine decay ends at ``min_lr_factor * optimizer.lr``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self._require(0.0 <= self.min_lr_factor <= 1.0, "min_lr_factor", "must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig(Section):
+    """``[metrics]``: logging."""
+
+    section_name: typing.ClassVar[str] = "metrics"
+
+    log_freq: int = 1
+    """Log every ``log_freq`` steps (and always the last step)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(self.log_freq >= 1, "log_freq", "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan's sections.
+# --------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class TrainingConfig(Section):
+    """``[training]``: the training loop and its dtypes."""
+
+    section_name: typing.ClassVar[str] = "training"
+
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per step."""
+
+    global_batch_size: int = -1
+    """Sequences per step over all ranks; -1 means ``local_batch_size`` times the
+    data-parallel degree. A larger value means gradient accumulation."""
+
+    seq_len: int = 2048
+    """Tokens per sequence."""
+
+    max_norm: float | int = 1.0
+    """Gradient-norm clipping threshold over the global norm (0 disables clipping)."""
+
+    steps: int = 10000
+    """Number of optimizer steps."""
+
+    enable_cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload)."""
+
+    dtype: Literal["bfloat16", "float32"] = "float32"
+    """Dtype of parameters, gradients and optimizer state. ``"bfloat16"`` trains entirely
+    in bf16 with no fp32 master copy (RoPE and logits stay fp32)."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of parameters under mixed precision (FSDP's ``param_dtype`` when
+    parameters are sharded, ``torch.autocast`` under DDP or on one device)."""
+
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """Dtype of FSDP's gradient reductions under mixed precision."""
+
+    gc_freq: int = 50
+    """Run Python's garbage collector every ``gc_freq`` steps."""
+
+    gc_debug: bool = False
+    """Collect garbage at every step to find reference cycles holding device tensors."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: ``"auto"`` picks CUDA (nccl) when available, else CPU (gloo).
+    (This library's own field.)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("steps", "local_batch_size", "seq_len", "gc_freq"):
+            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(
+            self.global_batch_size == -1 or self.global_batch_size >= 1,
+            "global_batch_size", "must be >= 1, or -1 for local_batch_size * data-parallel degree",
+        )
+        self._require(self.max_norm >= 0, "max_norm", "must be >= 0")
+
+
+_DEGREES = (
+    "data_parallel_replicate_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+)
+
+
+@_legacy.accept_legacy_parallelism_kwargs  # compat hook
+@dataclass(kw_only=True)
+class ParallelismConfig(
+    _legacy.LegacyParallelismMixin,  # compat hook
+    Section,
+):
+    """``[parallelism]``: parallel degrees, their options, and the SPMD backend."""
+
+    section_name: typing.ClassVar[str] = "parallelism"
+
+    data_parallel_replicate_degree: int = 1
+    """Replicated data-parallel degree (DDP; the outer axis of HSDP when
+    ``data_parallel_shard_degree > 1``). 1 disables it."""
+
+    data_parallel_shard_degree: int = -1
+    """Sharded data-parallel (FSDP) degree; -1 uses the ranks left over by the other
+    degrees. Only this degree may be -1; 1 disables sharding."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """When FSDP frees gathered parameters after forward: ``"default"`` (FSDP's own
+    choice), ``"always"`` or ``"never"``."""
+
+    enable_fsdp_symm_mem: bool = False
+    """Use symmetric-memory communication for FSDP collectives (NVIDIA compute
+    capability 9.0 or newer, or ROCm)."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (Megatron-style column/row sharding). 1 disables it."""
+
+    disable_loss_parallel: bool = False
+    """Gather the vocab-sharded logits before the loss instead of a vocab-parallel loss."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with compute (needs ``compile.enable``)."""
+
+    enable_sequence_parallel: bool = True
+    """Shard norms and residual activations along the sequence dim when TP is on."""
+
+    spmd_backend: SpmdBackend = "default"
+    """How parallelism is expressed: ``"default"`` (DTensor on TP/EP axes plus FSDP2),
+    ``"full_dtensor"`` (every tensor a DTensor on the multi-axis mesh) or
+    ``"spmd_types"`` (plain local tensors typed with ``spmd_types``)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree: the number of physical stages' ranks (looped schedules
+    put several virtual stages on one rank). 1 disables it."""
+
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit split of the model for pipelining: one list of module names per model
+    chunk, e.g. ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``."""
+
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Layers fewer on the first stage, which also holds the embedding."""
+
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Layers fewer on the last stage, which also holds the output projection."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Layers per (virtual) stage; None infers it from the model, schedule and degree."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Name of a ``torch.distributed.pipelining`` schedule, e.g. ``"1F1B"`` or ``"Interleaved1F1B"``."""
+
+    pipeline_parallel_schedule_csv: str | None = ""
+    """Path of a CSV file describing a custom pipeline schedule; empty for none."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch; ``local_batch_size`` must be a multiple of it."""
+
+    context_parallel_degree: int = 1
+    """Context-parallel degree (sequence split across ranks inside attention). 1 disables it."""
+
+    context_parallel_load_balancer: str | None = "headtail"
+    """Context-parallel load balancing: ``"headtail"`` (SDPA), ``"ptrr"`` (FlexAttention)
+    or None for none. The empty string is rejected."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context-parallel attention exchanges key/value shards."""
+
+    expert_parallel_degree: int = 1
+    """Expert-parallel degree for MoE layers. Not a factor of the world size: it reuses
+    the ranks of ``dp_shard * cp * tp``, which it must divide. 1 disables it."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spmd_backend, str):
+            self.spmd_backend = SPMD_BACKEND_ALIASES.get(self.spmd_backend, self.spmd_backend)  # type: ignore[assignment]
+        super().__post_init__()
+        for name in _DEGREES:
+            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(
+            self.data_parallel_shard_degree >= 1 or self.data_parallel_shard_degree == -1,
+            "data_parallel_shard_degree", "must be >= 1, or -1 to infer it",
+        )
+        self._require(
+            self.context_parallel_load_balancer != "", "context_parallel_load_balancer",
+            "cannot be the empty string (use None to disable load balancing)",
+        )
+        if self.enable_fsdp_symm_mem and not _symm_mem_capable():
+            raise ValueError(
+                "parallelism.enable_fsdp_symm_mem=True needs a CUDA device of compute "
+                "capability 9.0 or newer (or ROCm)."
+            )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "spmd_backend" and isinstance(value, str):
+            value = SPMD_BACKEND_ALIASES.get(value, value)
+            check_value("parallelism.spmd_backend", value, SpmdBackend)
+        super().__setattr__(name, value)
+
+
+def _symm_mem_capable() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return torch.version.hip is not None or torch.cuda.get_device_capability() >= (9, 0)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig(Section):
+    """``[checkpoint]``: torchtitan's ``CheckpointManager.Config``."""
+
+    section_name: typing.ClassVar[str] = "checkpoint"
+
+    enable: bool = False
+    """Save (and resume from) checkpoints."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to the dump folder."""
+
+    interval: int = 500
+    """Save every ``interval`` steps."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when the run's own folder holds none (a full path,
+    including the step folder)."""
+
+    initial_load_model_only: bool = True
+    """From ``initial_load_path`` load only the model, not optimizer or scheduler state."""
+
+    initial_load_in_hf: bool = False
+    """``initial_load_path`` is a Hugging Face safetensors checkpoint (model only)."""
+
+    initial_load_in_hf_quantized: bool = False
+    """The Hugging Face checkpoint has quantized keys to dequantize on load."""
+
+    last_save_model_only: bool = True
+    """The final save holds only the model (loadable with ``weights_only=True``)."""
+
+    last_save_in_hf: bool = False
+    """Write the final save as Hugging Face safetensors (needs ``last_save_model_only``)."""
+
+    export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
+    """Dtype of the final model-only save."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Blocking saves (``"disabled"``), ``async_save`` on a thread (``"async"``), or a
+    separate process with pinned shared memory (``"async_with_pinned_mem"``)."""
+
+    keep_latest_k: int = 10
+    """Keep only the newest ``k`` checkpoints (0 keeps all; 1 is not allowed)."""
+
+    load_step: int = -1
+    """Step to load; -1 loads the newest."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State keys not to load, e.g. ``optimizer,lr_scheduler`` on the command line;
+    never ``model``."""
+
+    enable_first_step_checkpoint: bool = False
+    """Also save right after the first step, to check that saving works."""
+
+    create_seed_checkpoint: bool = False
+    """Initialise the unsharded model, save it as a seed checkpoint and exit (one rank)."""
+
+    load_only: bool = False
+    """Load checkpoints but never save."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(bool(self.folder.strip()), "folder", "cannot be empty")
+        self._require(self.interval >= 1, "interval", "must be >= 1")
+        self._require(
+            self.keep_latest_k == 0 or self.keep_latest_k >= 2, "keep_latest_k",
+            "must be 0 (keep all) or >= 2 (the newest may still be being written)",
+        )
+        self._require("model" not in self.exclude_from_loading, "exclude_from_loading",
+                      "cannot contain 'model'")
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig(Section):
+    """``[activation_checkpoint]``: recompute activations in backward to save memory."""
+
+    section_name: typing.ClassVar[str] = "activation_checkpoint"
+
+    mode: Literal["selective", "full", "memory_budget", "none"] = "selective"
+    """Which activations to recompute: ``"selective"``, ``"full"``, ``"memory_budget"``
+    (compiler-chosen) or ``"none"``."""
+
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
+        default_factory=lambda: ["moe.router.gate"]
+    )
+    """Under per-op selective checkpointing, matmuls with the shapes of these Linear
+    modules are always recomputed (any matmul of that shape, not only these modules)."""
+
+    early_stop: bool = False
+    """Stop recomputing once every needed activation has been rematerialised."""
+
+    memory_budget: float = 0.5
+    """For ``mode="memory_budget"``: 0.0 is the memory of full checkpointing, 1.0 that
+    of no checkpointing."""
+
+    visualize_memory_budget_pareto: bool = False
+    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder."""
+
+    preserve_rng_state: bool = True
+    """Stash and restore the RNG state around each checkpoint, for results identical
+    to a run without checkpointing."""
+
+    determinism_check: str = "default"
+    """The determinism check of ``torch.utils.checkpoint``."""
+
+    debug: bool = False
+    """Record ``torch.utils.checkpoint`` debug information (slower)."""
+
+
+@dataclass(kw_only=True)
+class CompileConfig(Section):
+    """``[compile]``: ``torch.compile``."""
+
+    section_name: typing.ClassVar[str] = "compile"
+
+    enable: bool = False
+    """Compile the components below."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile, e.g. ``model,loss``."""
+
+    backend: str = "inductor"
+    """The ``torch.compile`` backend."""
+
+
+@dataclass(kw_only=True)
+class CommConfig(Section):
+    """``[comm]``: process-group set-up and communication timeouts."""
+
+    section_name: typing.ClassVar[str] = "comm"
+
+    init_timeout_seconds: int = 300
+    """Timeout of collectives during initialisation and the first step."""
+
+    train_timeout_seconds: int = 100
+    """Timeout of collectives after the first step (usually tighter)."""
+
+    trace_buf_size: int = 20000
+    """Entries of the NCCL flight recorder's ring buffer; 0 turns it off."""
+
+    save_traces_folder: str = "comm_traces"
+    """Folder of the flight recorder's trace files."""
+
+    save_traces_file_prefix: str = "rank_"
+    """File-name prefix of the flight recorder's trace files."""
+
+    mode: Literal["default", "fake_backend", "local_tensor", "torchcomms"] = "default"
+    """``"default"`` (real communication), ``"fake_backend"`` (dry run), ``"local_tensor"``
+    (one process simulating every rank) or ``"torchcomms"``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("init_timeout_seconds", "train_timeout_seconds"):
+            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class DebugConfig(Section):
+    """``[debug]``: seeds, determinism and checking switches."""
+
+    section_name: typing.ClassVar[str] = "debug"
+
+    seed: int | None = None
+    """Base random seed; None lets rank 0 pick one."""
+
+    spmd_typechecking: bool = False
+    """Type-check the forward pass with ``spmd_types``' checker. Only the ``spmd_types``
+    backend is checked; incompatible with pipeline parallelism."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms where they exist (slower)."""
+
+    deterministic_warn_only: bool = False
+    """With ``deterministic``, warn about ops with no deterministic version instead of failing."""
+
+    moe_force_load_balance: bool = False
+    """Route tokens round-robin so every expert gets the same load (MoE debugging)."""
+
+    detect_anomaly: bool = False
+    """Run autograd anomaly detection to locate NaN/Inf gradients (slow)."""
+
+    batch_invariant: bool = False
+    """Use batch-invariant kernels and a fixed collective reduction order."""
+
+    print_config: bool = False
+    """Print the resolved config at start-up."""
+
+    save_config_file: str | None = None
+    """Save the resolved config to this file under the dump folder."""
+
+    enable_structured_logging: bool = True
+    """Write the structured per-rank trace log."""

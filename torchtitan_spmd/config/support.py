@@ -1,0 +1,139 @@
+"""What this library's trainer implements: one table of the config values it does not.
+
+Every row names a field of a torchtitan section whose feature the runtime does
+not implement yet. Such a field keeps torchtitan's default silently; any other
+value is rejected at setup by :func:`check_supported`, with an error naming the
+field, the value and the feature. A later change enables a feature by deleting
+its rows.
+
+Two defaults pass although the runtime does not implement them yet (they are
+torchtitan's defaults, so every fork sets them): ``training.mixed_precision_param
+= "bfloat16"`` (the runtime computes in float32, which ``"float32"`` requests
+explicitly) and ``activation_checkpoint.mode = "selective"`` (the runtime
+recomputes nothing, which ``"none"`` requests explicitly).
+
+The check runs on any root dataclass that embeds these sections (this library's
+``JobConfig`` or a fork's own), wherever they are attached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .configs import (
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    DebugConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
+
+__all__ = ["UNSUPPORTED", "Unsupported", "check_supported"]
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One field whose non-default values the runtime does not implement."""
+
+    section: type
+    """The section class the field belongs to (subclasses match too)."""
+
+    field: str
+    """The field's name."""
+
+    feature: str
+    """The feature the field controls, as the error names it."""
+
+    also_allowed: tuple[Any, ...] = ()
+    """Values other than the default that the runtime does implement."""
+
+    def default(self) -> Any:
+        """The field's default in its section class."""
+        f = next(f for f in dataclasses.fields(self.section) if f.name == self.field)
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return f.default
+
+
+def _rows(section: type, feature: str, *fields: str) -> tuple[Unsupported, ...]:
+    return tuple(Unsupported(section, name, feature) for name in fields)
+
+
+#: The table. Delete a feature's rows to enable it.
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    *_rows(TrainingConfig, "gradient accumulation (a global batch other than "
+           "local_batch_size x data-parallel degree)", "global_batch_size"),
+    *_rows(TrainingConfig, "FSDP CPU offload", "enable_cpu_offload"),
+    *_rows(TrainingConfig, "full bfloat16 training", "dtype"),
+    *_rows(TrainingConfig, "scheduled garbage collection", "gc_freq", "gc_debug"),
+    *_rows(ParallelismConfig, "FSDP reshard-after-forward policies", "fsdp_reshard_after_forward"),
+    *_rows(ParallelismConfig, "FSDP symmetric-memory communication", "enable_fsdp_symm_mem"),
+    *_rows(ParallelismConfig, "async tensor parallelism", "enable_async_tensor_parallel"),
+    *_rows(
+        ParallelismConfig, "pipeline parallelism (model split and schedules)",
+        "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_microbatch_size",
+    ),
+    *_rows(ParallelismConfig, "context parallelism (load balancing, kv rotation)",
+           "context_parallel_load_balancer", "context_parallel_rotate_method"),
+    *_rows(CheckpointConfig, "checkpointing", *(f.name for f in dataclasses.fields(CheckpointConfig))),
+    Unsupported(ActivationCheckpointConfig, "mode", "activation checkpointing", also_allowed=("none",)),
+    *_rows(ActivationCheckpointConfig, "activation checkpointing",
+           *(f.name for f in dataclasses.fields(ActivationCheckpointConfig) if f.name != "mode")),
+    *_rows(CompileConfig, "torch.compile", "enable", "components", "backend"),
+    *_rows(CommConfig, "a separate communication timeout after the first step", "train_timeout_seconds"),
+    *_rows(CommConfig, "the NCCL flight recorder", "trace_buf_size", "save_traces_folder",
+           "save_traces_file_prefix"),
+    *_rows(CommConfig, "communication modes other than 'default'", "mode"),
+    *_rows(DebugConfig, "warn-only deterministic mode", "deterministic_warn_only"),
+    *_rows(DebugConfig, "MoE load balancing (no MoE model is built in)", "moe_force_load_balance"),
+    *_rows(DebugConfig, "autograd anomaly detection", "detect_anomaly"),
+    *_rows(DebugConfig, "batch-invariant mode", "batch_invariant"),
+    *_rows(DebugConfig, "printing the config at start-up", "print_config"),
+    *_rows(DebugConfig, "saving the config to a file", "save_config_file"),
+)
+
+for _row in UNSUPPORTED:  # a typo in the table is a packaging error, caught on import
+    if _row.field not in {f.name for f in dataclasses.fields(_row.section)}:
+        raise ImportError(f"support table: {_row.section.__name__} has no field {_row.field!r}")
+
+
+def _sections(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every dataclass instance under ``obj``, ``obj`` included."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type) or depth > 4:
+        return
+    yield path, obj
+    for f in dataclasses.fields(obj):
+        yield from _sections(getattr(obj, f.name, None), f"{path}.{f.name}" if path else f.name, depth + 1)
+
+
+def check_supported(config: Any) -> None:
+    """Raise ``ValueError`` listing every config value whose feature is not implemented.
+
+    ``config`` is a root dataclass (``JobConfig`` or a fork's own) or a single
+    section. Each line of the message names the field (its path from the root),
+    the value, the feature, and the default to go back to.
+    """
+    problems: list[str] = []
+    for path, section in _sections(config, ""):
+        for row in UNSUPPORTED:
+            if not isinstance(section, row.section):
+                continue
+            value, default = getattr(section, row.field), row.default()
+            if value == default or value in row.also_allowed:
+                continue
+            where = f"{path}.{row.field}" if path else row.field
+            allowed = [default, *row.also_allowed]
+            problems.append(
+                f"{where}={value!r}: {row.feature} is not implemented by torchtitan_spmd yet; "
+                f"use {' or '.join(map(repr, allowed))}."
+            )
+    if problems:
+        raise ValueError("unsupported config values:\n  " + "\n  ".join(problems))
