@@ -12,8 +12,8 @@ from torchtitan_spmd.distributed.parallel_dims import MeshAxisName, SpmdLayout
 
 def test_unlisted_axes_are_replicated() -> None:
     layout = SpmdLayout({"tp": S(0)})
-    assert layout.type_of("tp") == S(0)
-    assert layout.type_of("dp") is R
+    assert layout.per_axis_spmd_types() == {"tp": S(0)}
+    assert layout.placements(["dp", "tp"]) == (Replicate(), Shard(0))
     assert layout.shard_dims() == {"tp": 0}
 
 
@@ -32,7 +32,7 @@ def test_partition_spec_shards_one_dim_over_two_axes_in_order() -> None:
 
 def test_spec_axes_default_to_varying() -> None:
     layout = SpmdLayout(partition_spec=(None, "tp"))
-    assert layout.type_of("tp") == S(1)
+    assert layout.per_axis_spmd_types() == {"tp": S(1)}
     assert layout.shard_dims() == {"tp": 1}
 
 
@@ -78,12 +78,11 @@ def test_frozen_and_hashable() -> None:
         a.types["tp"] = R  # type: ignore[index]
 
 
-def test_with_types_and_restricted_to() -> None:
+def test_with_types() -> None:
     layout = SpmdLayout({"tp": S(0), "dp": R})
-    assert layout.with_types(tp=P).type_of("tp") is P
-    assert layout.restricted_to(["dp"]) == SpmdLayout({"dp": R})
+    assert layout.with_types(tp=P) == SpmdLayout({"tp": P, "dp": R})
     spec = SpmdLayout(partition_spec=(("dp", "tp"), "cp"))
-    assert spec.restricted_to(["tp", "cp"]).partition_spec == ("tp", "cp")
+    assert spec.with_types(dp=V).partition_spec == spec.partition_spec
 
 
 # ------------------------------------------------------------------ torchtitan's names

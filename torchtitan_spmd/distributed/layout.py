@@ -39,12 +39,10 @@ AxisType: TypeAlias = PerMeshAxisLocalSpmdType | Shard
 SpecEntry: TypeAlias = str | tuple[str, ...] | None
 
 __all__ = [
-    "AxisType",
     "I",
     "P",
     "R",
     "S",
-    "SpecEntry",
     "SpmdLayout",
     "V",
     "dtensor_placement",
@@ -160,13 +158,6 @@ class SpmdLayout:
                 result[axis] = S(dim)
         return result
 
-    def type_of(self, axis: str) -> AxisType:
-        """The type on ``axis``: ``S(d)`` for a spec axis sharding dim ``d``, ``R`` if unlisted."""
-        dims = self.shard_dims()
-        if axis in dims and len(self._axes_on_dim(dims[axis])) == 1:
-            return S(dims[axis])
-        return self.axis_types.get(axis, V if axis in dims else R)
-
     def _axes_on_dim(self, dim: int) -> tuple[str, ...]:
         return tuple(a for a, d in self.shard_dims().items() if d == dim)
 
@@ -194,18 +185,6 @@ class SpmdLayout:
         merged = dict(self.axis_types)
         merged.update(types)
         return SpmdLayout(merged, self.partition_spec)
-
-    def restricted_to(self, axes: Sequence[str]) -> SpmdLayout:
-        """A copy that only mentions ``axes`` (others become implicit ``R``)."""
-        keep = set(axes)
-        spec = None
-        if self.partition_spec is not None:
-            spec = []
-            for entry in self.partition_spec:
-                names = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in keep)
-                spec.append(None if not names else names[0] if len(names) == 1 else names)
-            spec = tuple(spec)
-        return SpmdLayout({a: t for a, t in self.axis_types.items() if a in keep}, spec)
 
     def placements(self, mesh_dim_names: Sequence[str]) -> tuple[Any, ...]:
         """DTensor placements on a mesh with these dim names.

@@ -770,7 +770,7 @@ class ParallelDims:
 
     @property
     def dp_cp_enabled(self) -> bool:
-        """Data or context parallelism: the loss is reduced over more than one rank."""
+        """``dp_enabled or cp_enabled`` (torchtitan's name)."""
         return self.dp_enabled or self.cp_enabled
 
     @property
@@ -792,11 +792,6 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         """``ep > 1``."""
         return self.ep > 1
-
-    @property
-    def fsdp_gradient_divide_factor(self) -> int:
-        """The data-parallel degree gradients are averaged over, experts included."""
-        return self.dp_replicate * self.dp_shard * self.cp
 
     @property
     def non_data_parallel_size(self) -> int:
