@@ -30,7 +30,6 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
-from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.fsdp import apply_fsdp
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
@@ -179,14 +178,12 @@ class Trainer:
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         dp_degree = batch_mesh.size() if batch_mesh is not None else 1
         training = job_config.training
-        # Generate about twice the text the run reads (cheaper start-up for short runs).
-        # It depends only on the global batch, so every layout sees the same data.
-        needed = training.steps * training.local_batch_size * dp_degree * (training.seq_len + 1)
+        # The data depends only on the seed and the position (not on training.steps), and
+        # the global batch is rank-major, so every layout sees the same data.
         self.dataloader = build_dataloader(
             dp_rank=dp_rank, dp_degree=dp_degree,
             local_batch_size=training.local_batch_size,
             seq_len=training.seq_len, seed=self.seed,
-            corpus_chars=min(DEFAULT_CORPUS_CHARS, max(1 << 16, 2 * needed)),
         )
         self.train_context = get_train_context(
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
