@@ -31,6 +31,7 @@ from torch import nn
 from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.distributed.apply_plan import apply_plan
+from torchtitan_spmd.distributed.checkpoint import CheckpointManager
 from torchtitan_spmd.distributed.fsdp import apply_fsdp
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs
@@ -190,6 +191,23 @@ class Trainer:
             parallel_dims=self.parallel_dims,
             spmd_typechecking=job_config.debug.spmd_typechecking,
         )
+        self.checkpointer = self.build_checkpointer()
+        #: The step this run continues after (0: from the start); see CheckpointManager.load.
+        self.start_step = 0
+        if not job_config.checkpoint.create_seed_checkpoint:
+            self.start_step = self.checkpointer.load(step=job_config.checkpoint.load_step)
+
+    def build_checkpointer(self) -> CheckpointManager:
+        """The checkpoint technique over this trainer's state (``[checkpoint]``)."""
+        cfg, pd = self.job_config, self.parallel_dims
+        return CheckpointManager(
+            cfg.checkpoint, base_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.scheduler, dataloader=self.dataloader, representation=self.representation,
+            state_layouts=self.state_layouts, device_type=self.device_type,
+            timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
+            record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
+                    "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
+        )
 
     def build_model(self) -> nn.Module:
         """Build the model on the meta device, then compose the techniques, in this order.
@@ -233,19 +251,31 @@ class Trainer:
         )
 
     def run(self) -> list[StepRecord]:
-        """Train for ``training.steps`` steps; rank 0 logs each step. Returns the records."""
+        """Train from ``start_step + 1`` to ``training.steps``, saving checkpoints as
+        ``[checkpoint]`` says; rank 0 logs each step. Returns the records of the steps run.
+
+        With ``checkpoint.create_seed_checkpoint`` it only writes the seed checkpoint.
+        """
+        if self.job_config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            return []
         records = []
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
-        for step in range(1, steps + 1):
+        for step in range(self.start_step + 1, steps + 1):
             record = self.step(step)
             records.append(record)
             if self.rank == 0 and (step % log_freq == 0 or step == steps):
                 logger.info(record.log_line())
+            self.checkpointer.save(step, last_step=step == steps)
+        self.checkpointer.wait()
         return records
 
     def close(self) -> None:
-        """Destroy the process group if this trainer created it."""
+        """Finish checkpointing; destroy the process group if this trainer created it."""
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None:
+            checkpointer.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
 
