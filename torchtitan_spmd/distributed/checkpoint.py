@@ -341,7 +341,8 @@ class CheckpointManager:
         self._async_pg: dist.ProcessGroup | None = None
         self._finisher: ThreadPoolExecutor | None = None
         self.save_future: Future[None] | None = None
-        #: What the last :meth:`load` did: ``{"path", "step", "model_only", "ignored"}`` (None: nothing).
+        #: What the last :meth:`load` did: ``{"path", "step", "model_only", "ignored", "seconds"}``
+        #: (None: nothing was loaded).
         self.loaded: dict[str, Any] | None = None
         if self.enable and self.async_mode == "async" and not config.load_only:
             if self.world_size > 1:  # DCP's collectives from the writer thread need their own group
@@ -484,10 +485,9 @@ class CheckpointManager:
                              "or save full last checkpoints with --checkpoint.no-last_save_model_only.")
         return info.path, info.step, info.model_only, incomplete
 
-    def _check_against(self, path: str, states: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` naming the first key whose shape differs from the checkpoint's, or a
-        model key either side lacks, before DCP reads anything."""
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first key whose shape differs from the checkpoint's
+        (``metadata``: its DCP metadata by key), or a model key either side lacks."""
         model = {k: v for k, v in states.items() if k not in self.states}
         saved_model = {k for k in metadata if k.split(".", 1)[0] not in self.states}
         for key, value in model.items():
@@ -535,20 +535,22 @@ class CheckpointManager:
         begin = time.monotonic()
         exclude = tuple(self.config.exclude_from_loading)
         states = self._states(model_only, exclude)
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         rng = states.get(RNG)
         if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
-            metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
-        self._check_against(path, states)
+        self._check_against(path, metadata, states)
         dcp.load(states, checkpoint_id=path)
         model_state = {k: v for k, v in states.items() if k not in self.states}
         set_model_state_dict(self.model, self.views.unwrap(model_state))
         self.views.originals.clear()
         resumed = 0 if model_only or TRAIN_STATE in exclude else self.train_state.step
-        self.loaded = {"path": path, "step": saved_step, "model_only": model_only, "ignored": ignored}
+        seconds = time.monotonic() - begin
+        self.loaded = {"path": path, "step": saved_step, "model_only": model_only, "ignored": ignored,
+                       "seconds": seconds}
         if self.rank == 0:
             logger.info(f"checkpoint: loaded {path} ({'model only' if model_only else 'full'}) in "
-                        f"{time.monotonic() - begin:.2f}s; training continues after step {resumed}")
+                        f"{seconds:.2f}s; training continues after step {resumed}")
         return resumed
 
     def close(self) -> None:
