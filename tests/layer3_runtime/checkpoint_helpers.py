@@ -64,7 +64,7 @@ def _arm_kill(rank: int, kill: tuple[int, str, int] | None) -> None:
 
         def write_data(self: Any, plan: Any, planner: Any) -> Any:
             future = original(self, plan, planner)
-            if str(self.path).endswith(f"step-{step}.partial"):
+            if os.path.basename(str(self.path)) in (f"step-{step}", f"step-{step}.partial"):
                 future.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
             return future
