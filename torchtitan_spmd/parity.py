@@ -22,6 +22,11 @@ Launchers:
 - ``--launcher torchrun``: one ``torchrun -m torchtitan_spmd.train`` per backend;
   losses parsed from the log lines (6 decimals).
 
+Every backend can start from the same seed checkpoint (``--checkpoint.create_seed_checkpoint``
+on one process, then ``--checkpoint.enable --checkpoint.load_only
+--checkpoint.initial_load_path DIR/checkpoint/step-0`` here); checkpointing without
+``load_only`` is refused, since each backend would resume from the one before it.
+
 Exit status: 0 on success (with or without the plot), 1 if ``--tol`` is given
 and exceeded, 2 on a bad config (tyro's exit status for a bad override) or a failed run.
 """
@@ -300,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # that --debug.spmd_typechecking does not warn about the default backend.
         typed = next(b for b in BACKENDS if _typechecks(b))
         base = ConfigManager().parse_args([*overrides, "--parallelism.spmd_backend", typed])
+        if base.checkpoint.enable and not base.checkpoint.load_only:
+            raise ValueError("--checkpoint.enable without --checkpoint.load_only: each backend would resume from "
+                             "the checkpoints the one before it saved. Add --checkpoint.load_only (e.g. with "
+                             "--checkpoint.initial_load_path DIR/checkpoint/step-0, a seed checkpoint).")
         nproc = opts.nproc if opts.nproc is not None else _default_nproc(base)
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}.")

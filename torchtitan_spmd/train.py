@@ -30,8 +30,8 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
-from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS
 from torchtitan_spmd.distributed.apply_plan import apply_plan
+from torchtitan_spmd.distributed.checkpoint import CheckpointManager
 from torchtitan_spmd.distributed.fsdp import apply_fsdp
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs
@@ -179,19 +179,34 @@ class Trainer:
         dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         dp_degree = batch_mesh.size() if batch_mesh is not None else 1
         training = job_config.training
-        # Generate about twice the text the run reads (cheaper start-up for short runs).
-        # It depends only on the global batch, so every layout sees the same data.
-        needed = training.steps * training.local_batch_size * dp_degree * (training.seq_len + 1)
+        # The data depends only on the seed and the position (not on training.steps), and
+        # the global batch is rank-major, so every layout sees the same data.
         self.dataloader = build_dataloader(
             dp_rank=dp_rank, dp_degree=dp_degree,
             local_batch_size=training.local_batch_size,
             seq_len=training.seq_len, seed=self.seed,
-            corpus_chars=min(DEFAULT_CORPUS_CHARS, max(1 << 16, 2 * needed)),
         )
         self.train_context = get_train_context(
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
             parallel_dims=self.parallel_dims,
             spmd_typechecking=job_config.debug.spmd_typechecking,
+        )
+        self.checkpointer = self.build_checkpointer()
+        #: The step this run continues after (0: from the start); see CheckpointManager.load.
+        self.start_step = 0
+        if not job_config.checkpoint.create_seed_checkpoint:
+            self.start_step = self.checkpointer.load(step=job_config.checkpoint.load_step)
+
+    def build_checkpointer(self) -> CheckpointManager:
+        """The checkpoint technique over this trainer's state (``[checkpoint]``)."""
+        cfg, pd = self.job_config, self.parallel_dims
+        return CheckpointManager(
+            cfg.checkpoint, base_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.scheduler, dataloader=self.dataloader, representation=self.representation,
+            state_layouts=self.state_layouts, device_type=self.device_type,
+            timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
+            record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
+                    "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
         )
 
     def build_model(self) -> nn.Module:
@@ -236,19 +251,31 @@ class Trainer:
         )
 
     def run(self) -> list[StepRecord]:
-        """Train for ``training.steps`` steps; rank 0 logs each step. Returns the records."""
+        """Train from ``start_step + 1`` to ``training.steps``, saving checkpoints as
+        ``[checkpoint]`` says; rank 0 logs each step. Returns the records of the steps run.
+
+        With ``checkpoint.create_seed_checkpoint`` it only writes the seed checkpoint.
+        """
+        if self.job_config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            return []
         records = []
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
-        for step in range(1, steps + 1):
+        for step in range(self.start_step + 1, steps + 1):
             record = self.step(step)
             records.append(record)
             if self.rank == 0 and (step % log_freq == 0 or step == steps):
                 logger.info(record.log_line())
+            self.checkpointer.save(step, last_step=step == steps)
+        self.checkpointer.wait()
         return records
 
     def close(self) -> None:
-        """Destroy the process group if this trainer created it."""
+        """Finish checkpointing; destroy the process group if this trainer created it."""
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None:
+            checkpointer.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -49,3 +49,20 @@ def test_torchrun_cli_rejects_bad_config_on_every_rank(tmp_path: Path) -> None:
     proc = _torchrun(tmp_path, "--job.config_file", str(config), "--parallelism.spmd_backend", "full_dtensr")
     assert proc.returncode != 0
     assert "Did you mean 'full_dtensor'?" in " ".join(proc.stderr.replace("│", " ").split())  # tyro's box
+
+
+@pytest.mark.backend("default")
+def test_torchrun_cli_resumes_under_another_backend(tmp_path: Path) -> None:
+    """The README's cross-backend resume: 4 steps saving at 2 under default, then from step 2
+    under full_dtensor, printing the same losses to the digits shown (within 1e-5)."""
+    job = ["--module", "llama3", "--config", "llama3_tiny", "--training.steps", "4", "--debug.deterministic",
+           "--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    first = _torchrun(tmp_path, *job)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = _torchrun(tmp_path, *job, "--checkpoint.load_step", "2", "--checkpoint.load_only",
+                      "--parallelism.spmd_backend", "full_dtensor")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "checkpoint: loaded" in other.stdout + other.stderr
+    steps = [[(int(s), float(loss)) for s, loss, _ in _STEP.findall(p.stdout + p.stderr)] for p in (first, other)]
+    assert [s for s, _ in steps[0]] == [1, 2, 3, 4] and [s for s, _ in steps[1]] == [3, 4]
+    assert all(abs(a - b) <= 1e-5 * b for (_, a), (_, b) in zip(steps[1], steps[0][2:], strict=True))

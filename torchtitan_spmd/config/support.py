@@ -83,7 +83,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     ),
     *_rows(ParallelismConfig, "context parallelism (load balancing, kv rotation)",
            "context_parallel_load_balancer", "context_parallel_rotate_method"),
-    *_rows(CheckpointConfig, "checkpointing", *(f.name for f in dataclasses.fields(CheckpointConfig))),
+    *_rows(CheckpointConfig, "Hugging Face safetensors checkpoints", "initial_load_in_hf",
+           "initial_load_in_hf_quantized", "last_save_in_hf"),
+    Unsupported(CheckpointConfig, "async_mode", "asynchronous checkpointing through pinned shared memory "
+                "in a separate process", also_allowed=("async",)),
     Unsupported(ActivationCheckpointConfig, "mode", "activation checkpointing", also_allowed=("none",)),
     *_rows(ActivationCheckpointConfig, "activation checkpointing",
            *(f.name for f in dataclasses.fields(ActivationCheckpointConfig) if f.name != "mode")),

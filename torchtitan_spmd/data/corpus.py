@@ -101,22 +101,29 @@ def _echo(rng: random.Random) -> str:
 _GENERATORS = (_story, _story, _arithmetic, _counting, _echo)
 
 
-def build_corpus(seed: int = 0, n_chars: int = DEFAULT_CORPUS_CHARS) -> str:
+def build_corpus(seed: int = 0, n_chars: int = DEFAULT_CORPUS_CHARS, *, block: int | None = None) -> str:
     """Deterministic synthetic text of at least ``n_chars`` characters.
 
     Documents (see the module docstring) are separated by ``"\\n"``; the text
-    ends with ``"\\n"``. The same ``(seed, n_chars)`` always gives the same
-    string; a longer ``n_chars`` extends the shorter corpus of the same seed.
+    ends with ``"\\n"``. The same ``(seed, n_chars, block)`` always gives the same
+    string; a longer ``n_chars`` extends the shorter corpus of the same seed and block.
     The text is pure ASCII, so one character is one byte token.
 
+    ``block``: one of an endless series of independent corpora of the same seed
+    (what the data loader reads: block ``b`` is drawn from ``(seed, b)`` only);
+    None is the original single corpus of ``seed``.
+
     Raises:
-        ValueError: ``n_chars < 1`` or a non-int argument.
+        ValueError: ``n_chars < 1``, a negative ``block`` or a non-int argument.
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
     if not isinstance(n_chars, int) or isinstance(n_chars, bool) or n_chars < 1:
         raise ValueError(f"n_chars must be a positive int, got {n_chars!r}")
-    rng = random.Random(f"torchtitan_spmd.corpus/{seed}")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 0):
+        raise ValueError(f"block must be None or an int >= 0, got {block!r}")
+    name = f"torchtitan_spmd.corpus/{seed}" if block is None else f"torchtitan_spmd.corpus/{seed}/block/{block}"
+    rng = random.Random(name)
     docs: list[str] = []
     total = 0
     while total < n_chars:

@@ -1,14 +1,18 @@
 """Data-parallel sharded next-token batches over the synthetic corpus.
 
-The corpus of :func:`~torchtitan_spmd.data.corpus.build_corpus` is tokenized
-document by document as ``[BOS] + bytes + [EOS]`` and concatenated into one
-token stream, which is cut into non-overlapping *windows* of ``seq_len + 1``
-tokens (the tail shorter than a window is dropped). A window gives one sample:
-``input_ids = window[:-1]``, ``labels = window[1:]``.
+The data is an endless series of *blocks*. Block ``b`` is the corpus of
+:func:`~torchtitan_spmd.data.corpus.build_corpus` drawn from ``(seed, b)`` alone
+(``block=b``), tokenized document by document as ``[BOS] + bytes + [EOS]``,
+concatenated, and cut into ``W = windows_per_block(seq_len)`` consecutive *windows*
+of ``seq_len + 1`` tokens (about :data:`BLOCK_TOKENS` tokens; the rest of the block
+is dropped). A window gives one
+sample: ``input_ids = window[:-1]``, ``labels = window[1:]``. Documents are drawn
+independently, so the windows need no shuffling.
 
-Samples are numbered globally. Epoch ``e`` visits the windows in a fixed
-permutation seeded by ``(seed, e)``, and wraps around forever. With
-``G = local_batch_size * dp_degree``, the global batch of step ``t`` is global
+Samples are numbered globally: sample ``k`` is window ``k % W`` of block ``k // W``. So what a sample holds depends only on the seed,
+``seq_len`` and its number -- not on the number of steps of the run, nor on the
+layout -- and a block is generated only when first read (start-up costs one block).
+With ``G = local_batch_size * dp_degree``, the global batch of step ``t`` is global
 samples ``t*G .. t*G + G - 1`` and rank ``r`` reads the rank-major slice
 ``t*G + r*B .. t*G + (r+1)*B - 1``. Therefore the concatenation over ranks of
 the local batches equals the batch of
@@ -19,7 +23,6 @@ single-process reference sees exactly what ``dp_degree`` ranks see together.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +31,17 @@ import torch
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS, build_corpus
 from torchtitan_spmd.data.tokenizer import Tokenizer
 
-__all__ = ["ShardedBatchIterator", "build_dataloader", "build_token_stream"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "ShardedBatchIterator",
+    "build_block",
+    "build_dataloader",
+    "build_token_stream",
+    "windows_per_block",
+]
+
+#: About how many tokens one generated block of the data holds (a few ms to generate).
+BLOCK_TOKENS = 1 << 15
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -36,11 +49,10 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_stream(seed: int, n_chars: int) -> torch.Tensor:
+def _stream(seed: int, n_chars: int, block: int | None) -> torch.Tensor:
     tok = Tokenizer()
     ids: list[int] = []
-    for doc in build_corpus(seed, n_chars).splitlines():
+    for doc in build_corpus(seed, n_chars, block=block).splitlines():
         ids.append(tok.bos_id)
         ids.extend(doc.encode("utf-8"))
         ids.append(tok.eos_id)
@@ -54,60 +66,66 @@ def build_token_stream(seed: int = 0, n_chars: int = DEFAULT_CORPUS_CHARS) -> to
     """
     _check_int("seed", seed, 0)
     _check_int("n_chars", n_chars, 1)
-    return _cached_stream(seed, n_chars).clone()
+    return _stream(seed, n_chars, None)
 
 
-def _epoch_permutation(seed: int, epoch: int, n_windows: int) -> torch.Tensor:
-    digest = hashlib.blake2b(f"data/{seed}/{epoch}".encode(), digest_size=8).digest()
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return torch.randperm(n_windows, generator=gen)
+def windows_per_block(seq_len: int) -> int:
+    """How many samples of ``seq_len`` tokens one block holds (at least one)."""
+    return max(1, BLOCK_TOKENS // (seq_len + 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_block(seed: int, window: int, block: int) -> torch.Tensor:
+    n = windows_per_block(window - 1) * window
+    stream = _stream(seed, n, block)  # at least one token per character
+    return stream[:n].view(-1, window)
+
+
+def build_block(seed: int, seq_len: int, block: int) -> torch.Tensor:
+    """Block ``block`` of the data: int64 ``[windows_per_block(seq_len), seq_len + 1]`` (a fresh copy).
+
+    Row ``i`` is global sample ``block * windows_per_block(seq_len) + i``; the rows are
+    consecutive stretches of the block's token stream (documents as in
+    :func:`build_token_stream`) over ``build_corpus(seed, rows * (seq_len + 1), block=block)``.
+    """
+    _check_int("seed", seed, 0)
+    _check_int("seq_len", seq_len, 1)
+    _check_int("block", block, 0)
+    return _cached_block(seed, seq_len + 1, block).clone()
 
 
 class ShardedBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
     """Infinite iterator of ``(input_ids, labels)``, each int64 ``[local_batch_size, seq_len]``.
 
     Built by :func:`build_dataloader`. ``step`` is the number of batches already
-    yielded; :meth:`state_dict`/:meth:`load_state_dict` save and restore it.
+    yielded; :meth:`state_dict`/:meth:`load_state_dict` save and restore the position
+    (a checkpoint's ``dataloader`` entry).
     """
 
-    def __init__(
-        self,
-        *,
-        dp_rank: int,
-        dp_degree: int,
-        local_batch_size: int,
-        seq_len: int,
-        seed: int,
-        corpus_chars: int,
-    ) -> None:
+    def __init__(self, *, dp_rank: int, dp_degree: int, local_batch_size: int, seq_len: int,
+                 seed: int) -> None:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.local_batch_size = local_batch_size
         self.seq_len = seq_len
         self.seed = seed
-        stream = _cached_stream(seed, corpus_chars)
-        window = seq_len + 1
-        self.n_windows = stream.numel() // window
-        self._windows = stream[: self.n_windows * window].view(self.n_windows, window)
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.int64)
         self.step = 0
 
-    def _window_ids(self, first: int, count: int) -> torch.Tensor:
-        ids = []
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all data-parallel ranks."""
+        return self.local_batch_size * self.dp_degree
+
+    def _samples(self, first: int, count: int) -> torch.Tensor:
+        rows, per_block = [], windows_per_block(self.seq_len)
         for k in range(first, first + count):
-            epoch, pos = divmod(k, self.n_windows)
-            if epoch != self._perm_epoch:
-                self._perm = _epoch_permutation(self.seed, epoch, self.n_windows)
-                self._perm_epoch = epoch
-            ids.append(int(self._perm[pos]))
-        return torch.tensor(ids, dtype=torch.int64)
+            block, row = divmod(k, per_block)
+            rows.append(_cached_block(self.seed, self.seq_len + 1, block)[row])
+        return torch.stack(rows)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        global_batch = self.local_batch_size * self.dp_degree
-        first = self.step * global_batch + self.dp_rank * self.local_batch_size
-        batch = self._windows[self._window_ids(first, self.local_batch_size)]
+        first = self.step * self.global_batch_size + self.dp_rank * self.local_batch_size
+        batch = self._samples(first, self.local_batch_size)
         self.step += 1
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
@@ -115,14 +133,26 @@ class ShardedBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         return self
 
     def state_dict(self) -> dict[str, int]:
-        """``{"step": ...}``: enough to resume the same sequence of batches."""
-        return {"step": self.step}
+        """``{"step": batches read, "samples": global samples read}`` (the same on every rank)."""
+        return {"step": self.step, "samples": self.step * self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from a :meth:`state_dict`."""
+        """Resume from a :meth:`state_dict`, also one saved with another data-parallel layout.
+
+        The position is the number of global samples read; it must be a whole number of
+        this iterator's global batches (``ValueError`` naming both otherwise).
+        """
         step = state["step"]
         _check_int("step", step, 0)
-        self.step = step
+        samples = state.get("samples", step * self.global_batch_size)
+        _check_int("samples", samples, 0)
+        if samples % self.global_batch_size:
+            raise ValueError(
+                f"the data position ({samples} samples read) is not a whole number of global batches of "
+                f"{self.global_batch_size} (local_batch_size={self.local_batch_size} x data-parallel degree "
+                f"{self.dp_degree}); resume with a global batch size that divides {samples}."
+            )
+        self.step = samples // self.global_batch_size
 
 
 def build_dataloader(
@@ -132,21 +162,20 @@ def build_dataloader(
     local_batch_size: int,
     seq_len: int,
     seed: int,
-    corpus_chars: int = DEFAULT_CORPUS_CHARS,
 ) -> ShardedBatchIterator:
     """This data-parallel rank's infinite iterator of ``(input_ids, labels)``.
 
     Both tensors are int64 ``[local_batch_size, seq_len]``; ``labels`` is
     ``input_ids`` shifted left by one token (next-token prediction). See the
-    module docstring for the sharding contract.
+    module docstring for the sharding contract: the data depends only on ``seed``,
+    ``seq_len`` and the position.
 
     Args:
         dp_rank: this rank, ``0 <= dp_rank < dp_degree``.
         dp_degree: number of data-parallel ranks (>= 1).
         local_batch_size: samples per rank per step (>= 1).
-        seq_len: tokens per sample (>= 1, and a window must fit in the corpus).
-        seed: corpus and shuffling seed (>= 0).
-        corpus_chars: corpus size passed to :func:`build_corpus`.
+        seq_len: tokens per sample (>= 1).
+        seed: corpus seed (>= 0).
 
     Raises:
         ValueError: a bad argument; the message names it and its value.
@@ -158,18 +187,5 @@ def build_dataloader(
     _check_int("local_batch_size", local_batch_size, 1)
     _check_int("seq_len", seq_len, 1)
     _check_int("seed", seed, 0)
-    _check_int("corpus_chars", corpus_chars, 1)
-    n_tokens = _cached_stream(seed, corpus_chars).numel()
-    if seq_len + 1 > n_tokens:
-        raise ValueError(
-            f"seq_len={seq_len} is too long for a corpus of {n_tokens} tokens "
-            f"(corpus_chars={corpus_chars})"
-        )
-    return ShardedBatchIterator(
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        local_batch_size=local_batch_size,
-        seq_len=seq_len,
-        seed=seed,
-        corpus_chars=corpus_chars,
-    )
+    return ShardedBatchIterator(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size,
+                                seq_len=seq_len, seed=seed)

@@ -1,0 +1,141 @@
+"""Checkpoint benchmark: save and load time and size, sync vs async, and what an async save costs a step.
+
+    python bench/checkpoint_bench.py                  # 4 gloo ranks, FSDP 2 x TP 2, llama3 debugmodel
+    python bench/checkpoint_bench.py --rounds 5 --folder /tmp/ckbench
+
+Every rank builds one trainer (``[checkpoint]`` on), trains ``--warmup`` steps, then for
+each round, alternately in sync and async mode: one save of the full state (model,
+optimizer, LR scheduler, data position, step, RNG) timed until it returns (sync: written
+and visible; async: staged) and until it is visible; the next ``--steps-after`` steps
+timed (the async write runs in the background during them); and then ``--steps-after``
+steps with no save in flight, the baseline. Then it loads the newest checkpoint into a
+fresh trainer, timed. A time is the slowest rank's; the table gives medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed.checkpoint  # noqa: E402,F401  (imported once in the parent, not per rank)
+
+import torchtitan_spmd.train  # noqa: E402,F401
+from torchtitan_spmd.config import JobConfig  # noqa: E402
+from torchtitan_spmd.launcher import run_forked  # noqa: E402
+
+
+def _config(args: argparse.Namespace, folder: str, async_mode: str) -> JobConfig:
+    return JobConfig.from_dict({
+        "job": {"dump_folder": folder},
+        "model": {"name": args.model, "flavor": args.flavor},
+        "training": {"steps": 10_000, "local_batch_size": args.local_batch_size, "seq_len": args.seq_len,
+                     "device": "cpu"},
+        "parallelism": {"data_parallel_shard_degree": args.dp_shard, "tensor_parallel_degree": args.tp,
+                        "spmd_backend": args.backend},
+        "checkpoint": {"enable": True, "async_mode": async_mode, "keep_latest_k": 0, "interval": 1},
+        "debug": {"seed": 0},
+    })
+
+
+def _steps(trainer: object, first: int, n: int) -> list[float]:
+    out = []
+    for step in range(first, first + n):
+        start = time.perf_counter()
+        trainer.step(step)  # type: ignore[attr-defined]
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    from torchtitan_spmd.train import Trainer
+
+    trainers = {mode: Trainer(_config(args, os.path.join(folder, mode), mode)) for mode in ("disabled", "async")}
+    out: dict[str, list[float]] = {}
+    for trainer in trainers.values():
+        _steps(trainer, 1, args.warmup)
+    step = args.warmup + 1
+    for _ in range(args.rounds):
+        for mode, trainer in trainers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.checkpointer.save(step)  # interval 1: a full save; async in async mode
+            returned = time.perf_counter()
+            out.setdefault(f"{mode}/returns", []).append(returned - start)
+            visible = [returned]
+            future = trainer.checkpointer.save_future
+            if future is not None:  # async: visible when the background write and the rename are done
+                future.add_done_callback(lambda _, v=visible: v.__setitem__(0, time.perf_counter()))
+            after = _steps(trainer, step + 1, args.steps_after)
+            trainer.checkpointer.wait()
+            out.setdefault(f"{mode}/visible", []).append(visible[0] - start)
+            dist.barrier()
+            base = _steps(trainer, step + 1 + args.steps_after, args.steps_after)
+            out.setdefault(f"{mode}/step_after_save", []).extend(after)
+            out.setdefault(f"{mode}/step_baseline", []).extend(base)
+        step += 1 + 2 * args.steps_after
+    for mode, trainer in trainers.items():
+        trainer.close()
+        dist.barrier()
+        start = time.perf_counter()
+        fresh = Trainer(_config(args, os.path.join(folder, mode), mode))
+        out[f"{mode}/load"] = [time.perf_counter() - start]
+        out[f"{mode}/load_inside"] = [fresh.checkpointer.loaded["seconds"]]
+        fresh.close()
+    return out
+
+
+def _size_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="default")
+    parser.add_argument("--model", default="llama3")
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--dp-shard", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--local-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-after", type=int, default=2)
+    parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    folder = args.folder or tempfile.mkdtemp(prefix="ckbench-")
+    world = args.dp_shard * args.tp
+    try:
+        per_rank = run_forked(_worker, world, args, folder, timeout_s=3600)
+        slowest = {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))] for k in per_rank[0]}
+        med = {k: statistics.median(v) for k, v in slowest.items()}
+        print(f"{args.model}/{args.flavor}, {args.backend}, {world} ranks (dp_shard={args.dp_shard}, tp={args.tp}), "
+              f"local batch {args.local_batch_size} x seq {args.seq_len}; {args.rounds} rounds; "
+              f"load average before: {os.getloadavg()[0]:.1f}")
+        print("| mode | save returns (s) | visible (s) | size (MiB) | load (s): in load() / whole trainer start "
+              "| step during the write (s) | step without (s) |")
+        print("|---|---|---|---|---|---|---|")
+        for mode in ("disabled", "async"):
+            ck = Path(folder) / mode / "checkpoint"
+            newest = max(ck.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+            print(f"| {'sync' if mode == 'disabled' else 'async'} | {med[mode + '/returns']:.2f} | "
+                  f"{med[mode + '/visible']:.2f} | {_size_mib(newest):.1f} | "
+                  f"{med[mode + '/load_inside']:.2f} / {med[mode + '/load']:.2f} | "
+                  f"{med[mode + '/step_after_save']:.2f} | {med[mode + '/step_baseline']:.2f} |")
+    finally:
+        if args.folder is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,579 @@
+"""Technique: checkpoints with ``torch.distributed.checkpoint`` (DCP), under every backend and layout.
+
+:class:`CheckpointManager` follows torchtitan's ``CheckpointManager`` (a0c831c49): the
+``[checkpoint]`` section's fields, folders ``step-N`` under
+``job.dump_folder/checkpoint.folder``, the model's entries flattened at the top level
+(so a model-only checkpoint and a full one hold the same model keys) beside
+``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state``; this library adds
+``rng`` (the torch RNG state of rank 0, which every rank restores: the trainer seeds every
+rank alike).
+
+Layouts: every state goes to DCP as a DTensor of its *global* shape, so DCP reshards
+between any two layouts and backends. DTensor states (``default``'s TP and FSDP
+parameters, ``full_dtensor``'s everything) go as they are; a plain local shard (the
+``spmd_types`` backend without FSDP, and its optimizer states) goes as the
+representation's :meth:`~torchtitan_spmd.distributed.representation.TensorRepresentation.to_dtensor`
+view of it, which shares its storage, so a load fills it in place. (DCP cannot take the
+plain shard itself: every rank would claim the same key with another size.)
+
+Crash safety: a save writes ``step-N.partial``, then rank 0 writes the completion marker
+(``.complete``, a small JSON record) into it and renames it to ``step-N`` (an atomic rename
+on POSIX file systems). A checkpoint is loaded only from a ``step-N`` folder holding both
+DCP's ``.metadata`` and the marker; anything else under the folder (a save killed midway,
+a folder copied in part) is ignored with a warning. ``keep_latest_k`` deletes only complete
+checkpoints older than the newest ``k``, after the new one is complete, so it never deletes
+the only one.
+
+Differences from torchtitan, each deliberate: a load finds "the latest *complete*
+checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is
+used when the run's folder holds no complete checkpoint (torchtitan: when the folder does
+not exist); resuming from a model-only checkpoint other than step 0 (a final export,
+``last_save_model_only``) is an error naming the newest full one, not a missing-key error
+from DCP; the model's keys and shapes are checked against the checkpoint before loading;
+``async_with_pinned_mem`` and the Hugging Face formats are not implemented (the trainer
+rejects them at setup, ``config/support.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from .representation import StateLayout, TensorRepresentation
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import CheckpointConfig
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "LOADABLE_ENTRIES",
+    "find_checkpoints",
+    "purge_stale",
+]
+
+logger = logging.getLogger("torchtitan_spmd")
+
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG = (
+    "model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+#: The top-level entries besides the model's; each can be left out with ``exclude_from_loading``.
+LOADABLE_ENTRIES: tuple[str, ...] = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG)
+#: The file whose presence makes a ``step-N`` folder a complete checkpoint (JSON inside).
+COMPLETE_MARKER = ".complete"
+_DCP_METADATA = ".metadata"
+_PARTIAL = ".partial"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step-(\d+)" + re.escape(_PARTIAL) + "$")
+#: Bump when the layout of the entries changes incompatibly.
+FORMAT_VERSION = 1
+
+
+# ====================================================================================== folders
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One complete checkpoint folder and what its marker records."""
+
+    path: str
+    step: int
+    model_only: bool
+    record: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _read_marker(path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(path, COMPLETE_MARKER)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def find_checkpoints(folder: str) -> tuple[dict[int, CheckpointInfo], list[str]]:
+    """The complete checkpoints under ``folder`` by step, and the paths of the incomplete ones.
+
+    Complete: a ``step-N`` folder holding DCP's ``.metadata`` and a readable marker.
+    Incomplete: any other ``step-N`` folder, and every ``step-N.partial`` (a save that
+    did not finish). A missing ``folder`` holds none.
+    """
+    complete: dict[int, CheckpointInfo] = {}
+    incomplete: list[str] = []
+    if not os.path.isdir(folder):
+        return complete, incomplete
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            continue
+        if _PARTIAL_DIR.match(name):
+            incomplete.append(path)
+            continue
+        m = _STEP_DIR.match(name)
+        if not m:
+            continue
+        record = _read_marker(path)
+        if record is None or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
+            incomplete.append(path)
+            continue
+        step = int(m.group(1))
+        complete[step] = CheckpointInfo(path, step, bool(record.get("model_only", step == 0)), record)
+    return complete, incomplete
+
+
+def purge_stale(folder: str, keep_latest_k: int) -> list[str]:
+    """Delete all but the newest ``keep_latest_k`` complete checkpoints, and unfinished saves
+    older than the newest complete one; return what was deleted. ``0`` keeps everything.
+
+    Never deletes the newest complete checkpoint (``keep_latest_k`` is 0 or >= 2).
+    """
+    if keep_latest_k <= 0:
+        return []
+    complete, incomplete = find_checkpoints(folder)
+    if not complete:
+        return []
+    steps = sorted(complete)
+    doomed = [complete[s].path for s in steps[:-keep_latest_k]]
+    newest = steps[-1]
+    for path in incomplete:
+        m = _PARTIAL_DIR.match(os.path.basename(path))
+        if m and int(m.group(1)) < newest:
+            doomed.append(path)
+    for path in doomed:
+        logger.info(f"checkpoint: deleting {path} (keep_latest_k={keep_latest_k})")
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: str, final: str, record: Mapping[str, Any]) -> None:
+    """Write the marker into ``partial``, then make it ``final`` with one rename (rank 0 only)."""
+    tmp = os.path.join(partial, COMPLETE_MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(dict(record), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(partial, COMPLETE_MARKER))
+    _fsync_dir(partial)
+    old = None
+    if os.path.exists(final):  # saving a step again (e.g. after resuming from an earlier one)
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    _fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ====================================================================================== states
+def _fqn_of_optimizer_key(key: str) -> tuple[str, str] | None:
+    """``("layers.0.w1.weight", "exp_avg")`` for a flattened optimizer key ``state.<fqn>.<name>``."""
+    if not key.startswith("state."):
+        return None
+    fqn, _, name = key[len("state."):].rpartition(".")
+    return (fqn, name) if fqn else None
+
+
+class _DTensorViews:
+    """Swap a state dict's plain local shards for the representation's DTensor views, and back."""
+
+    def __init__(self, representation: TensorRepresentation, layouts: Mapping[str, StateLayout]) -> None:
+        self.representation = representation
+        self.layouts = layouts
+        self.originals: dict[str, torch.Tensor] = {}
+
+    def wrap(self, key: str, value: Any, fqn: str, param: torch.Tensor | None) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or fqn not in self.layouts:
+            return value
+        if param is not None and tuple(value.shape) != tuple(param.shape):
+            return value  # a per-parameter scalar (Adam's step): replicated
+        view = self.representation.to_dtensor(value, self.layouts[fqn])
+        if view is not value:
+            self.originals[key] = value
+        return view
+
+    def unwrap(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.originals.get(k, v) for k, v in state.items()}
+
+
+class _OptimizerState:
+    """The optimizer's flattened state (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, views: _DTensorViews) -> None:
+        self.model, self.optimizer, self.views = model, optimizer, views
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        params = dict(self.model.named_parameters())
+        out = {}
+        for key, value in get_optimizer_state_dict(self.model, self.optimizer, options=self.options).items():
+            where = _fqn_of_optimizer_key(key)
+            out[key] = value if where is None else self.views.wrap(
+                f"{OPTIMIZER}.{key}", value, where[0], params.get(where[0]))
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        plain = {k: self.views.originals.get(f"{OPTIMIZER}.{k}", v) for k, v in state.items()}
+        set_optimizer_state_dict(self.model, self.optimizer, plain, options=self.options)
+
+
+class _RngState:
+    """The torch RNG state of rank 0 (CPU, and CUDA when it is in use); every rank restores it."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device_type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            objs = [state]
+            dist.broadcast_object_list(objs, src=0)
+            state = objs[0]
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device_type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+class _TrainState:
+    """The step count (torchtitan's ``train_state``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+# ====================================================================================== manager
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+class CheckpointManager:
+    """Saves and loads the trainer's state with DCP; see the module docstring.
+
+    Args:
+        config: the ``[checkpoint]`` section.
+        base_folder: ``job.dump_folder``; checkpoints live in ``base_folder/config.folder``.
+        model, optimizer, lr_scheduler, dataloader: what is saved (the dataloader needs
+            ``state_dict``/``load_state_dict``).
+        representation, state_layouts: the backend's representation and the layouts the
+            plan recorded (``Trainer.state_layouts``), for the DTensor views.
+        device_type: ``"cpu"`` or ``"cuda"`` (which RNG states to keep).
+        record: extra facts written into each checkpoint's marker (backend, degrees, ...).
+        timeout: the timeout of the process group an async save writes through.
+
+    Raises:
+        ValueError: at construction, for an ``exclude_from_loading`` entry that is not one
+            of :data:`LOADABLE_ENTRIES`; ``async_mode='async_with_pinned_mem'``.
+    """
+
+    def __init__(self, config: CheckpointConfig, *, base_folder: str, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
+                 representation: TensorRepresentation, state_layouts: Mapping[str, StateLayout],
+                 device_type: str = "cpu", record: Mapping[str, Any] | None = None,
+                 timeout: timedelta | None = None) -> None:
+        self.config = config
+        self.enable = config.enable
+        self.folder = os.path.join(base_folder, config.folder)
+        self.model = model
+        self.views = _DTensorViews(representation, state_layouts)
+        self.train_state = _TrainState()
+        self.states: dict[str, Any] = {
+            OPTIMIZER: _OptimizerState(model, optimizer, self.views),
+            LR_SCHEDULER: lr_scheduler,
+            DATALOADER: dataloader,
+            TRAIN_STATE: self.train_state,
+            RNG: _RngState(device_type),
+        }
+        self.record = dict(record or {})
+        unknown = [e for e in config.exclude_from_loading if e not in LOADABLE_ENTRIES]
+        if unknown:
+            raise ValueError(f"checkpoint.exclude_from_loading: unknown {unknown}; the entries are "
+                             f"{', '.join(map(repr, LOADABLE_ENTRIES))} (the model is always loaded).")
+        if config.async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode={config.async_mode!r} is not implemented; use 'disabled' or 'async'.")
+        self.async_mode = config.async_mode
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._async_pg: dist.ProcessGroup | None = None
+        self._finisher: ThreadPoolExecutor | None = None
+        self.save_future: Future[None] | None = None
+        #: What the last :meth:`load` did: ``{"path", "step", "model_only", "ignored", "seconds"}``
+        #: (None: nothing was loaded).
+        self.loaded: dict[str, Any] | None = None
+        if self.enable and self.async_mode == "async" and not config.load_only:
+            if self.world_size > 1:  # DCP's collectives from the writer thread need their own group
+                self._async_pg = dist.new_group(backend="gloo", timeout=timeout)
+            self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+
+    # ------------------------------------------------------------------ state dicts
+    def _model_state(self) -> dict[str, Any]:
+        """The model's entries, flat (``tok_embeddings.weight``, ...), as DTensors of global shape."""
+        return {k: self.views.wrap(k, v, k, None) for k, v in get_model_state_dict(self.model).items()}
+
+    def _states(self, model_only: bool, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        self.views.originals.clear()
+        states = self._model_state()
+        if not model_only:
+            states.update({k: v for k, v in self.states.items() if k not in exclude})
+        return states
+
+    # ------------------------------------------------------------------ save
+    def _should_save(self, step: int, last_step: bool) -> bool:
+        if not self.enable or self.config.load_only:
+            return False
+        if step == 1 and self.config.enable_first_step_checkpoint:
+            return True
+        return last_step or step % self.config.interval == 0
+
+    @torch.no_grad()
+    def save(self, step: int, *, last_step: bool = False) -> bool:
+        """Save after optimizer step ``step`` if the interval (or the last step) says so.
+
+        The last step's save is model-only in ``export_dtype`` when ``last_save_model_only``
+        (torchtitan's default), and always synchronous. Returns whether a save started.
+        """
+        if not self._should_save(step, last_step):
+            return False
+        model_only = last_step and self.config.last_save_model_only
+        self._save(step, model_only=model_only, use_async=not last_step and self.async_mode == "async")
+        return True
+
+    def save_seed(self) -> None:
+        """``create_seed_checkpoint``: the model only, as ``step-0`` (one process, no parallelism)."""
+        if self.world_size != 1:
+            raise ValueError(f"checkpoint.create_seed_checkpoint needs one process (no parallelism); "
+                             f"this run has {self.world_size}.")
+        if not self.enable:
+            raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable.")
+        self._save(0, model_only=True, use_async=False)
+
+    def _save(self, step: int, *, model_only: bool, use_async: bool) -> None:
+        self.wait()
+        begin = time.monotonic()
+        final = os.path.join(self.folder, f"step-{step}")
+        partial = final + _PARTIAL
+        if self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # an earlier save of this step that died
+        if self.world_size > 1:
+            dist.barrier()
+        self.train_state.step = step
+        states = self._states(model_only)
+        if model_only:
+            dtype = getattr(torch, self.config.export_dtype)
+            states = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for k, v in states.items()}
+        record = {**self.record, "step": step, "model_only": model_only, "format": FORMAT_VERSION,
+                  "world_size": self.world_size, "torch": torch.__version__,
+                  "export_dtype": self.config.export_dtype if model_only else None}
+        if use_async:
+            written = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
+            assert self._finisher is not None
+            self.save_future = self._finisher.submit(self._finish, written, partial, final, record, begin)
+            logger.info(f"checkpoint: staged step {step} in {time.monotonic() - begin:.2f}s; writing in the background")
+            return
+        dcp.save(states, checkpoint_id=partial)
+        self._finish(None, partial, final, record, begin)
+        if self.world_size > 1:
+            dist.barrier()  # every rank returns once the checkpoint is visible
+
+    def _finish(self, written: Future[Any] | None, partial: str, final: str, record: Mapping[str, Any],
+                begin: float) -> None:
+        if written is not None:
+            written.result()  # DCP's coordinator wrote .metadata after every rank's data
+        if self.rank == 0:
+            _publish(partial, final, record)
+            purge_stale(self.folder, self.config.keep_latest_k)
+            logger.info(f"checkpoint: saved {final} ({'model only' if record['model_only'] else 'full'}) "
+                        f"in {time.monotonic() - begin:.2f}s")
+
+    def wait(self) -> None:
+        """Block until a background save (``async_mode='async'``) is complete and visible."""
+        future, self.save_future = self.save_future, None
+        if future is not None:
+            future.result()
+
+    # ------------------------------------------------------------------ load
+    def _choose(self, load_step: int) -> tuple[str, int, bool, list[str]] | None:
+        """(path, step, model_only, ignored folders) of what to load, or None: start fresh."""
+        cfg = self.config
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise ValueError(f"checkpoint folder {self.folder!r} (job.dump_folder/checkpoint.folder) is not a folder.")
+        complete, incomplete = find_checkpoints(self.folder)
+        for path in incomplete:
+            logger.warning(f"checkpoint: ignoring {path}: not a complete checkpoint (no {COMPLETE_MARKER} "
+                           "marker or no DCP .metadata; a save that did not finish?)")
+        if load_step != -1:
+            if load_step not in complete:
+                have = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
+                raise ValueError(f"checkpoint.load_step={load_step}: no complete checkpoint step-{load_step} in "
+                                 f"{self.folder!r}; complete ones: {have}"
+                                 + (f"; ignored as incomplete: {', '.join(map(os.path.basename, incomplete))}"
+                                    if incomplete else "") + ".")
+            info = complete[load_step]
+        elif complete:
+            info = complete[max(complete)]
+            if cfg.initial_load_path:
+                logger.warning(f"checkpoint: {self.folder} holds checkpoints, so checkpoint.initial_load_path "
+                               f"{cfg.initial_load_path!r} is ignored.")
+        elif cfg.initial_load_path:
+            path = cfg.initial_load_path
+            if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
+                what = "does not exist" if not os.path.exists(path) else (
+                    "is not a folder" if not os.path.isdir(path) else
+                    f"has no DCP {_DCP_METADATA} file (contents: {sorted(os.listdir(path))[:8]})")
+                raise ValueError(f"checkpoint.initial_load_path={path!r} is not a checkpoint: it {what}. "
+                                 "Give the step folder a checkpoint save wrote, e.g. .../checkpoint/step-0.")
+            record = _read_marker(path) or {}
+            saved_model_only = bool(record.get("model_only", False))
+            if saved_model_only and not cfg.initial_load_model_only:
+                raise ValueError(f"checkpoint.initial_load_path={path!r} holds only the model; "
+                                 "checkpoint.initial_load_model_only=False needs a full checkpoint.")
+            return path, int(record.get("step", 0)), cfg.initial_load_model_only or saved_model_only, incomplete
+        else:
+            return None
+        if info.model_only and info.step != 0:
+            full = [s for s, i in complete.items() if not i.model_only]
+            hint = (f"pass --checkpoint.load_step {max(full)} (the newest full checkpoint) to resume from it"
+                    if full else "no full checkpoint is there to resume from")
+            raise ValueError(f"{info.path} holds only the model (the last save of a run with "
+                             f"checkpoint.last_save_model_only=True), so training cannot resume from it: {hint}, "
+                             "or save full last checkpoints with --checkpoint.no-last_save_model_only.")
+        return info.path, info.step, info.model_only, incomplete
+
+    def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first key whose shape differs from the checkpoint's
+        (``metadata``: its DCP metadata by key), or a model key either side lacks."""
+        model = {k: v for k, v in states.items() if k not in self.states}
+        saved_model = {k for k in metadata if k.split(".", 1)[0] not in self.states}
+        for key, value in model.items():
+            saved = metadata.get(key)
+            if saved is None:
+                raise ValueError(f"checkpoint {path} was saved from another model: it has no {key!r} "
+                                 f"(it holds {len(saved_model)} model tensors, e.g. {sorted(saved_model)[:3]}).")
+            if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != _shape(value):
+                raise ValueError(f"checkpoint {path} was saved from another model: {key!r} has shape "
+                                 f"{tuple(saved.size)} there and {_shape(value)} in this model.")
+        extra = sorted(saved_model - set(model))
+        if extra:
+            raise ValueError(f"checkpoint {path} was saved from another model: it holds {extra[0]!r}, "
+                             f"which this model lacks ({len(extra)} such keys).")
+        for entry in (k for k in states if k in self.states):
+            if not any(k == entry or k.startswith(entry + ".") for k in metadata):
+                raise ValueError(f"checkpoint {path} has no {entry!r} entry; leave it out with "
+                                 f"--checkpoint.exclude_from_loading {entry}.")
+
+    @torch.no_grad()
+    def load(self, step: int = -1) -> int:
+        """Load the latest complete checkpoint (or ``step``), else ``initial_load_path``.
+
+        Returns the step to continue after (0: from the start, also after a model-only
+        load). Raises ``ValueError`` for a missing step, a folder that is not a checkpoint,
+        a checkpoint of another model (naming the first mismatched key and both shapes),
+        or a model-only checkpoint to resume from.
+        """
+        if not self.enable:
+            return 0
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                choice[0] = ("ok", self._choose(step))
+            except ValueError as err:
+                choice[0] = ("error", str(err))
+        if self.world_size > 1:  # one decision for every rank
+            dist.broadcast_object_list(choice, src=0)
+        status, value = choice[0]
+        if status == "error":
+            raise ValueError(value)
+        if value is None:
+            return 0
+        path, saved_step, model_only, ignored = value
+        begin = time.monotonic()
+        exclude = tuple(self.config.exclude_from_loading)
+        states = self._states(model_only, exclude)
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        rng = states.get(RNG)
+        if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
+            states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
+        self._check_against(path, metadata, states)
+        dcp.load(states, checkpoint_id=path)
+        model_state = {k: v for k, v in states.items() if k not in self.states}
+        set_model_state_dict(self.model, self.views.unwrap(model_state))
+        self.views.originals.clear()
+        resumed = 0 if model_only or TRAIN_STATE in exclude else self.train_state.step
+        seconds = time.monotonic() - begin
+        self.loaded = {"path": path, "step": saved_step, "model_only": model_only, "ignored": ignored,
+                       "seconds": seconds}
+        if self.rank == 0:
+            logger.info(f"checkpoint: loaded {path} ({'model only' if model_only else 'full'}) in "
+                        f"{seconds:.2f}s; training continues after step {resumed}")
+        return resumed
+
+    def close(self) -> None:
+        """Wait for a background save, then release the writer thread and its process group."""
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+                self._finisher = None
+            if self._async_pg is not None and dist.is_initialized():
+                dist.destroy_process_group(self._async_pg)
+                self._async_pg = None
+
+
+class _FilteredRng:
+    """:class:`_RngState` restricted to the entries a checkpoint has."""
+
+    def __init__(self, rng: _RngState, keys: set[str]) -> None:
+        self.rng, self.keys = rng, keys
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.rng.state_dict().items() if k in self.keys}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.rng.load_state_dict(state)
