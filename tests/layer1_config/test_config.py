@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import ast
-import math
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 import warnings
