@@ -217,6 +217,9 @@ def plot_path(requested: str | None, dump_folder: str) -> str:
     if os.path.isdir(path):
         path = os.path.join(path, PLOT_NAME)
     parent = os.path.dirname(os.path.abspath(path))
+    blocker = next((p for p in _ancestors(parent) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise ValueError(f"--plot: cannot write {path!r}: {blocker!r} is a file, not a directory.")
     try:
         os.makedirs(parent, exist_ok=True)
         existed = os.path.exists(path)
@@ -227,6 +230,14 @@ def plot_path(requested: str | None, dump_folder: str) -> str:
     except OSError as err:
         raise ValueError(f"--plot: cannot write {path!r}: {err.strerror or err}.") from None
     return path
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and each folder above it."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
 
 
 def write_plot(result: ParityResult, path: str) -> bool:

@@ -109,7 +109,7 @@ def test_an_unwritable_plot_path_fails_before_any_run(tmp_path, monkeypatch, cap
     target = blocker / "plot.png"  # its parent is a file: cannot be created, even as root
     assert parity.main(["--plot", str(target)]) == 2
     err = capsys.readouterr().err
-    assert f"--plot: cannot write {str(target)!r}" in err
+    assert f"--plot: cannot write {str(target)!r}: {str(blocker)!r} is a file, not a directory." in err
 
 
 def test_a_plot_directory_gets_the_default_name_and_reports_it(tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
