@@ -13,6 +13,7 @@ per step::
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
 from torchtitan_spmd.data import Tokenizer, build_dataloader
+from torchtitan_spmd.distributed import comm
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.checkpoint import CheckpointManager
 from torchtitan_spmd.distributed.fsdp import apply_fsdp
@@ -121,20 +123,19 @@ class Trainer:
     """
 
     def __init__(self, job_config: JobConfig) -> None:
+        job_config.validate()  # every section's checks again: sections may be mutated after parsing
         check_supported(job_config)  # values of features the runtime does not implement yet
         self.job_config = job_config
         self.device_type = _device_type(job_config)
         self._owns_pg = False
+        comm_cfg = job_config.comm
+        #: Where the run is ("during setup", "in step 3") and the timeout in force, for failure reports.
+        self.phase = "during setup"
+        self.timeout_in_force = ("comm.init_timeout_seconds", comm_cfg.init_timeout_seconds)
         if not dist.is_initialized():
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                os.environ.setdefault("RANK", "0")
-                os.environ.setdefault("WORLD_SIZE", "1")
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", "29517")
-            dist.init_process_group(
-                "nccl" if self.device_type == "cuda" else "gloo",
-                timeout=timedelta(seconds=job_config.comm.init_timeout_seconds),
-            )
+            comm.configure_flight_recorder(comm_cfg, job_config.job.dump_folder)
+            comm.init_default_process_group("nccl" if self.device_type == "cuda" else "gloo",
+                                            timedelta(seconds=comm_cfg.init_timeout_seconds))
             self._owns_pg = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.device_type == "cuda":
@@ -150,6 +151,11 @@ class Trainer:
                                                          vocab_size=self.tokenizer.vocab_size)
         representation_cls = get_representation(par.spmd_backend)
         self.parallel_dims.build_mesh()
+        # torch creates the mesh groups with its default timeout (30 min): every group
+        # gets comm.init_timeout_seconds until the first step is done.
+        comm.set_pg_timeouts(timedelta(seconds=comm_cfg.init_timeout_seconds), self.parallel_dims,
+                             barrier=False)
+        self._train_timeout_set = False
         self.representation = representation_cls(self.parallel_dims)
         self.representation.validate(job_config)
         self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
@@ -263,13 +269,24 @@ class Trainer:
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
         for step in range(self.start_step + 1, steps + 1):
+            self.phase = f"in step {step}"
             record = self.step(step)
             records.append(record)
+            if not self._train_timeout_set:
+                self.use_train_timeout()
             if self.rank == 0 and (step % log_freq == 0 or step == steps):
                 logger.info(record.log_line())
             self.checkpointer.save(step, last_step=step == steps)
         self.checkpointer.wait()
         return records
+
+    def use_train_timeout(self) -> None:
+        """After the first step (set-up and warm-up done), as upstream: every rank meets at a
+        barrier, then every process group gets ``comm.train_timeout_seconds``."""
+        seconds = self.job_config.comm.train_timeout_seconds
+        comm.set_pg_timeouts(timedelta(seconds=seconds), self.parallel_dims)
+        self.timeout_in_force = ("comm.train_timeout_seconds", seconds)
+        self._train_timeout_set = True
 
     def close(self) -> None:
         """Finish checkpointing; destroy the process group if this trainer created it."""
@@ -280,8 +297,47 @@ class Trainer:
             dist.destroy_process_group()
 
 
+def _write_outputs(job_config: JobConfig) -> None:
+    """Rank 0's start-up outputs under ``job.dump_folder``: the resolved config, as JSON
+    (``JobConfig.from_dict(json.load(f))`` rebuilds it), to ``job_config.json`` and, when set, to
+    ``debug.save_config_file``; with ``debug.print_config`` it is logged too."""
+    folder = job_config.job.dump_folder
+    text = json.dumps(job_config.to_dict(), indent=2, ensure_ascii=False)
+    if job_config.debug.print_config:
+        logger.info(f"Running with configs: {text}")
+    names = ["job_config.json"]
+    if job_config.debug.save_config_file is not None:
+        names.append(job_config.debug.save_config_file)
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as err:
+            raise ValueError(f"job.dump_folder: cannot write {path!r}: {err.strerror or err}.") from None
+    logger.info(f"saved the resolved config to {os.path.join(folder, names[-1])}")
+
+
+def _report_comm_failure(err: BaseException, trainer: Trainer | None, job_config: JobConfig) -> None:
+    """One line on stderr naming this rank, the collective and the timeout; the flight record on disk."""
+    if trainer is not None:
+        rank, when, timeout = trainer.rank, trainer.phase, trainer.timeout_in_force
+    else:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+        when, timeout = "during setup", ("comm.init_timeout_seconds", job_config.comm.init_timeout_seconds)
+    print(f"error: {comm.describe_comm_failure(err, rank=rank, when=when, timeout=timeout)}",
+          file=sys.stderr, flush=True)
+    comm.dump_flight_recorder(job_config.comm, job_config.job.dump_folder, rank)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun)."""
+    """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun).
+
+    Exit status: 0 done; 1 a collective timed out or lost a peer (one line per rank
+    says which, see :func:`~torchtitan_spmd.distributed.comm.describe_comm_failure`);
+    2 a bad config or environment (one ``error:`` line).
+    """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
@@ -290,29 +346,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    if not threads.isdigit() or int(threads) < 1:
+        print(f"error: environment variable OMP_NUM_THREADS={threads!r} must be an integer >= 1.",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(threads))
     trainer = None
+    comm_failed = False
     try:
         trainer = Trainer(job_config)
         if trainer.rank == 0:
             par = asdict(job_config.parallelism)
+            logger.info(f"job: {job_config.job.description}")
             logger.info(
                 f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
                 f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
                 f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
                 f"tp={trainer.parallel_dims.tp}"
             )
+            _write_outputs(job_config)
         records = trainer.run()
         if trainer.rank == 0 and records:
             logger.info(f"done: loss {records[0].loss:.4f} -> {records[-1].loss:.4f} in {len(records)} steps")
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if not comm.is_comm_failure(err):
+            raise
+        comm_failed = True  # no clean-up: it would wait on the same peers
+        _report_comm_failure(err, trainer, job_config)
+        return 1
     finally:
-        if trainer is not None:
+        if trainer is not None and not comm_failed:
             trainer.close()
     return 0
 
 
+def _exit(status: int) -> None:
+    """Exit with ``status``; after a communication failure without Python's clean-up, which
+    would wait on the lost peers once more for every collective still queued."""
+    if status == 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit(main())

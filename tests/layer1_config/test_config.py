@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 import warnings
@@ -26,6 +27,7 @@ from torchtitan_spmd.config import (
     CompileConfig,
     DebugConfig,
     JobConfig,
+    OptimizerConfig,
     ParallelismConfig,
     SpmdTypecheckingWarning,
     TrainingConfig,
@@ -265,13 +267,30 @@ def test_union_values_keep_their_type() -> None:
         (ParallelismConfig, "context_parallel_load_balancer", "", "use None to disable"),
         (TrainingConfig, "steps", 0, "must be >= 1"),
         (TrainingConfig, "global_batch_size", 0, "or -1 for local_batch_size"),
-        (TrainingConfig, "max_norm", -1.0, "must be >= 0"),
+        (TrainingConfig, "max_norm", -1.0, "must be a finite number >= 0"),
+        (TrainingConfig, "max_norm", math.inf, "must be a finite number >= 0"),
+        (OptimizerConfig, "lr", math.nan, "must be a finite number > 0"),
+        (OptimizerConfig, "lr", -1.0, "must be a finite number > 0"),
+        (OptimizerConfig, "lr", 0.0, "must be a finite number > 0"),
+        (OptimizerConfig, "eps", 0.0, "must be a finite number > 0"),
+        (OptimizerConfig, "eps", math.inf, "must be a finite number > 0"),
+        (OptimizerConfig, "weight_decay", -0.1, "must be a finite number >= 0"),
+        (DebugConfig, "seed", -5, "must be >= 0"),
+        (DebugConfig, "seed", 2**64, "must be >= 0 and < 2**64"),
+        (CommConfig, "init_timeout_seconds", 0, "must be in [1, "),
+        (CommConfig, "init_timeout_seconds", 10**10, "must be in [1, "),
+        (CommConfig, "trace_buf_size", -1, "must be >= 0"),
+        (CheckpointConfig, "load_step", -2, "or -1 for the newest"),
+        (ActivationCheckpointConfig, "memory_budget", 1.5, "must be in [0, 1]"),
+        (ParallelismConfig, "pipeline_parallel_microbatch_size", 0, "must be >= 1"),
+        (ParallelismConfig, "pipeline_parallel_layers_per_stage", 0, "or None to infer it"),
+        (ParallelismConfig, "pipeline_parallel_first_stage_less_layers", -1, "must be >= 0"),
         (CheckpointConfig, "folder", " ", "cannot be empty"),
         (CheckpointConfig, "interval", 0, "must be >= 1"),
         (CheckpointConfig, "keep_latest_k", 1, "0 (keep all) or >= 2"),
         (CheckpointConfig, "keep_latest_k", -1, "0 (keep all) or >= 2"),
         (CheckpointConfig, "exclude_from_loading", ["optimizer", "model"], "cannot contain 'model'"),
-        (CommConfig, "train_timeout_seconds", 0, "must be >= 1"),
+        (CommConfig, "train_timeout_seconds", 0, "must be in [1, "),
     ],
 )
 def test_range_checks_name_field_and_value(cls: type, field: str, value: Any, needle: str) -> None:

@@ -252,9 +252,45 @@ def test_toml_errors(tmp_path: Path, text: str, needles: list[str]) -> None:
         assert needle in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--optimizer.lr", "nan"], "optimizer.lr must be a finite number > 0, got nan"),
+        (["--optimizer.lr=-1"], "optimizer.lr must be a finite number > 0, got -1.0"),
+        (["--optimizer.eps", "0"], "optimizer.eps must be a finite number > 0, got 0.0"),
+        (["--debug.seed=-5"], "debug.seed must be >= 0 and < 2**64 (torch.manual_seed's range), or None, got -5"),
+        (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds must be in [1, 1000000000], got 0"),
+        (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be in [1, 1000000000], got 0"),
+    ],
+)
+def test_bad_numbers_on_the_command_line_name_the_field(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as err:
+        parse("--module", "llama3", "--config", "llama3_debugmodel", *args)
+    assert err.value.code == 2
+    text = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert needle in text, text
+
+
 def test_missing_config_file() -> None:
     with pytest.raises(ValueError, match="no such file"):
         parse("--job.config_file", "/nonexistent/job.toml")
+
+
+def test_a_directory_as_the_config_file_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as err:
+        parse("--job.config_file", str(tmp_path))
+    assert str(err.value) == f"job.config_file {str(tmp_path)!r} is a directory, not a TOML file."
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[job]\ndescription = 'caf\u00e9'\n".encode("latin-1"))
+    with pytest.raises(ValueError) as err:
+        parse("--job.config_file", str(path))
+    msg = str(err.value)
+    assert f"job.config_file {str(path)!r} is not UTF-8 text" in msg and "line 2" in msg, msg
 
 
 # --------------------------------------------------------------------------------------

@@ -313,3 +313,20 @@ def test_torch_flatten_reuses_our_flattened_meshes(fake_pg, backend: str) -> Non
     flattened = data["batch", "cp"]._flatten("loss")
     assert flattened is pd.get_mesh("loss")
     assert flattened.get_group() is pd.get_mesh("loss").get_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["dp_replicate2-dp_shard2-tp2", "dp_shard2-cp2-tp2-ep2", "world4096"])
+def test_only_real_axes_are_registered_as_flattened_meshes(fake_pg, backend: str, name: str) -> None:
+    """DTensor picks a flattened mesh by its ranks alone, so a fake-backed axis with the ranks
+    of active ones (``efsdp`` at ep=1 has those of ``(dp_shard, cp, tp)``) must never be
+    registered: its collectives would do nothing. Asking for every 1-D mesh (as upstream's
+    ``set_pg_timeouts`` does) creates them all."""
+    cfg = CONFIGS[name]
+    fake_pg(cfg.world, cfg.rank)
+    pd = cfg.dims(backend)
+    pd.get_all_one_dimensional_meshes()
+    registered = set(pd.world_mesh._flatten_mapping)
+    active = expected_active(cfg, backend)
+    assert registered and all(active[n] for n in registered), {n: active[n] for n in registered}
+    assert {n for n in pd.mesh_axis_names if active[n] and n not in BASE} <= registered

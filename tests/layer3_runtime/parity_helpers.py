@@ -1,8 +1,12 @@
-"""Helpers for the parity tests: run the real Trainer on forked gloo ranks."""
+"""Helpers for the parity tests: run the real Trainer on forked gloo ranks and compare it with
+the independent reference (:mod:`torchtitan_spmd.reference`: the model restated in plain
+PyTorch, ``torch.optim.AdamW``, the schedule's closed form; float64).
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from torchtitan_spmd.config import JobConfig
@@ -23,7 +27,11 @@ STEPS = 10
 LOCAL_BATCH = 2
 SEQ_LEN = 32
 FLAVOR = "tiny"
+#: Relative tolerance of the per-step loss against the reference.
 TOL = 1e-5
+#: ... and of the gradient norm: one step of the tiny qwen3 has a norm spike (9.9, the
+#: others 2-3) where float32 alone is 1e-5 off the exact (float64) value.
+NORM_TOL = 1e-4
 
 
 def job_config(backend: str, parallelism: dict[str, Any], *, local_batch: int = LOCAL_BATCH,
@@ -33,7 +41,7 @@ def job_config(backend: str, parallelism: dict[str, Any], *, local_batch: int = 
         {
             "model": {"name": model, "flavor": FLAVOR},
             "training": {"steps": steps, "local_batch_size": local_batch, "seq_len": SEQ_LEN,
-                         "device": "cpu", "max_norm": 1.0},
+                         "device": "cpu", "max_norm": 1.0, "mixed_precision_param": "float32"},
             "optimizer": {"lr": 3e-3},
             "lr_scheduler": {"warmup_steps": 2},
             "parallelism": {**parallelism, "spmd_backend": backend},
@@ -73,10 +81,12 @@ def run_config(cfg: JobConfig, world: int) -> list[tuple[float, float]]:
 
 @functools.cache
 def reference(global_batch: int, steps: int = STEPS, model: str = "llama3") -> tuple[tuple[float, float], ...]:
-    """The single-process run on the same global batch (cached per batch size and model)."""
+    """The independent reference on the same global batch (cached per batch size and model)."""
+    from torchtitan_spmd.reference import run_reference
+
     cfg = job_config("default", {"data_parallel_shard_degree": 1}, local_batch=global_batch, steps=steps,
                      model=model)
-    return tuple(run_config(cfg, 1))
+    return tuple(run_reference(cfg, global_batch=global_batch))
 
 
 def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
@@ -100,19 +110,22 @@ def skip_full_dtensor_on_old_torch(backend: str, config_name: str) -> None:
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
-    """Largest relative difference between two equal-length series."""
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+    """Largest relative difference between two equal-length series; NaN anywhere is infinitely far."""
+    assert len(a) == len(b), (len(a), len(b))
+    return max((math.inf if math.isnan(x) or math.isnan(y) else abs(x - y) / max(abs(y), 1e-12)
+                for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def check_parity(got: list[tuple[float, float]] | list[tuple[Any, ...]], config_name: str, *,
-                 model: str) -> tuple[float, float]:
-    """Assert that per-step ``(loss, grad_norm, ...)`` match the single-process run within ``TOL``
-    and that the model trained; returns the largest relative differences (loss, grad norm)."""
+                 model: str = "llama3") -> tuple[float, float]:
+    """Assert that per-step ``(loss, grad_norm, ...)`` match the reference on the same global batch
+    (loss within ``TOL``, gradient norm within ``NORM_TOL``) and that the model trained; returns the
+    largest relative differences (loss, grad norm)."""
     world, parallelism = PARITY_CONFIGS[config_name]
     ref = reference(LOCAL_BATCH * data_parallel_degree(parallelism, world), model=model)
     loss, norm = [g[0] for g in got], [g[1] for g in got]
     ref_loss, ref_norm = [r[0] for r in ref], [r[1] for r in ref]
     assert max_rel(loss, ref_loss) < TOL, (loss, ref_loss)
-    assert max_rel(norm, ref_norm) < TOL, (norm, ref_norm)
+    assert max_rel(norm, ref_norm) < NORM_TOL, (norm, ref_norm)
     assert loss[-1] < loss[0] - 0.1  # it trains (guards against a frozen or no-op model)
     return max_rel(loss, ref_loss), max_rel(norm, ref_norm)

@@ -1,9 +1,8 @@
 """Layer 3 parity for the second model family: qwen3 (QK RMSNorm per head) under both backends.
 
-The same harness and tolerance as ``test_parity.py`` (real forked gloo ranks, fp32,
-deterministic, 10 steps of the tiny flavour, loss and gradient norm within 1e-5 of
-a single-process run on the same global batch), on a subset of the layouts:
-FSDP 2 x TP 2 and TP 2 + SP.
+The same harness, reference and tolerances as ``test_parity.py`` (real forked gloo ranks,
+fp32, deterministic, 10 steps of the tiny flavour, against the independent reference on
+the same global batch), on a subset of the layouts: FSDP 2 x TP 2 and TP 2 + SP.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.mark.parametrize("config_name", QWEN3_CONFIGS)
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])
-def test_qwen3_parity_with_single_process(backend: str, config_name: str) -> None:
+def test_qwen3_parity_with_the_reference(backend: str, config_name: str) -> None:
     skip_full_dtensor_on_old_torch(backend, config_name)
     world, parallelism = PARITY_CONFIGS[config_name]
     got = run_config(job_config(backend, parallelism, model="qwen3"), world)

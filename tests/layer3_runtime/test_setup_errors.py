@@ -170,3 +170,20 @@ def test_full_dtensor_rejects_plain_tensors_at_module_boundaries() -> None:
 
     (message,) = run_forked(make, 1)
     assert "plain torch.Tensor reached" in message and "prepare_inputs" in message
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+def test_sequence_parallel_needs_tp_to_divide_seq_len(fake_pg: Callable[[int], None], backend: str,
+                                                      model: str) -> None:
+    """Without this check the real run dies with SIGABRT in the sequence-parallel all-gather."""
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(2)
+    cfg = _cfg(backend, tensor_parallel_degree=2, data_parallel_shard_degree=1)
+    cfg.model.name = model
+    cfg.training.seq_len = 15
+    assert cfg.parallelism.enable_sequence_parallel
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg)
+    assert str(err.value) == "training.seq_len=15 is not divisible by parallelism.tensor_parallel_degree=2."

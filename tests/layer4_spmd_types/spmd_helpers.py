@@ -1,7 +1,7 @@
 """Helpers for the layer-4 (spmd_types) tests: typed/untyped parity runs on forked gloo ranks.
 
 Reuses the layer-3 parity harness (configs, the deterministic job config and the
-cached single-process reference) from ``tests/layer3_runtime/parity_helpers.py``.
+cached independent reference) from ``tests/layer3_runtime/parity_helpers.py``.
 """
 
 from __future__ import annotations

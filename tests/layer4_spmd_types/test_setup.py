@@ -472,3 +472,17 @@ def test_current_mesh_stack_and_train_context(fake_world: Callable[[int], None])
 )
 def test_view_groups(src: tuple, dst: tuple, groups: Any) -> None:
     assert typecheck._view_groups(src, dst) == groups
+
+
+@pytest.mark.parametrize("typechecking", [True, False])
+def test_the_trainer_type_checks_exactly_when_debug_spmd_typechecking_says(
+        fake_world: Callable[[int], None], typechecking: bool) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_world(2)
+    cfg = _cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2)
+    cfg.debug.spmd_typechecking = typechecking
+    trainer = Trainer(cfg)
+    assert not st.is_type_checking()
+    with trainer.train_context():  # what the trainer's step runs forward and loss in
+        assert st.is_type_checking() is typechecking

@@ -9,6 +9,7 @@ plain dict or the command line.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -118,6 +119,16 @@ class Section:
 
     def __post_init__(self) -> None:
         self._validate_types()
+
+    def check(self) -> None:
+        """Run this section's checks again (after its fields were assigned); raise as construction does."""
+        self.__post_init__()
+
+    def _require_finite(self, name: str, *, minimum: float, strict: bool) -> None:
+        """Require ``section.name`` to be a finite number ``> minimum`` (``strict``) or ``>= minimum``."""
+        value = getattr(self, name)
+        ok = math.isfinite(value) and (value > minimum if strict else value >= minimum)
+        self._require(ok, name, f"must be a finite number {'>' if strict else '>='} {minimum:g}")
 
     def _require(self, ok: bool, name: str, rule: str) -> None:
         """Raise ``ValueError`` naming ``section.name``, its value and ``rule`` unless ``ok``."""

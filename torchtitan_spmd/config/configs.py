@@ -101,6 +101,12 @@ class OptimizerConfig(Section):
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require_finite("lr", minimum=0, strict=True)
+        self._require_finite("eps", minimum=0, strict=True)
+        self._require_finite("weight_decay", minimum=0, strict=False)
+
 
 @dataclass(kw_only=True)
 class LRSchedulerConfig(Section):
@@ -191,7 +197,7 @@ class TrainingConfig(Section):
             self.global_batch_size == -1 or self.global_batch_size >= 1,
             "global_batch_size", "must be >= 1, or -1 for local_batch_size * data-parallel degree",
         )
-        self._require(self.max_norm >= 0, "max_norm", "must be >= 0")
+        self._require_finite("max_norm", minimum=0, strict=False)
 
 
 _DEGREES = (
@@ -296,6 +302,14 @@ class ParallelismConfig(
             self.data_parallel_shard_degree >= 1 or self.data_parallel_shard_degree == -1,
             "data_parallel_shard_degree", "must be >= 1, or -1 to infer it",
         )
+        for name in ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"):
+            self._require(getattr(self, name) >= 0, name, "must be >= 0")
+        self._require(self.pipeline_parallel_microbatch_size >= 1, "pipeline_parallel_microbatch_size",
+                      "must be >= 1")
+        self._require(
+            self.pipeline_parallel_layers_per_stage is None or self.pipeline_parallel_layers_per_stage >= 1,
+            "pipeline_parallel_layers_per_stage", "must be >= 1, or None to infer it",
+        )
         self._require(
             self.context_parallel_load_balancer != "", "context_parallel_load_balancer",
             "cannot be the empty string (use None to disable load balancing)",
@@ -391,6 +405,7 @@ class CheckpointConfig(Section):
         )
         self._require("model" not in self.exclude_from_loading, "exclude_from_loading",
                       "cannot contain 'model'")
+        self._require(self.load_step >= -1, "load_step", "must be a step >= 0, or -1 for the newest")
 
 
 @dataclass(kw_only=True)
@@ -429,6 +444,10 @@ class ActivationCheckpointConfig(Section):
     debug: bool = False
     """Record ``torch.utils.checkpoint`` debug information (slower)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(0.0 <= self.memory_budget <= 1.0, "memory_budget", "must be in [0, 1]")
+
 
 @dataclass(kw_only=True)
 class CompileConfig(Section):
@@ -444,6 +463,14 @@ class CompileConfig(Section):
 
     backend: str = "inductor"
     """The ``torch.compile`` backend."""
+
+
+#: About 31 years: far past any job, well inside what ``datetime.timedelta`` holds (larger
+#: values raise OverflowError there).
+_MAX_TIMEOUT_S = 10**9
+
+#: torch.manual_seed's largest seed.
+_MAX_SEED = 2**64 - 1
 
 
 @dataclass(kw_only=True)
@@ -474,7 +501,8 @@ class CommConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("init_timeout_seconds", "train_timeout_seconds"):
-            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+            self._require(1 <= getattr(self, name) <= _MAX_TIMEOUT_S, name, f"must be in [1, {_MAX_TIMEOUT_S}]")
+        self._require(self.trace_buf_size >= 0, "trace_buf_size", "must be >= 0 (0 turns the recorder off)")
 
 
 @dataclass(kw_only=True)
@@ -513,3 +541,8 @@ class DebugConfig(Section):
 
     enable_structured_logging: bool = True
     """Write the structured per-rank trace log."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(self.seed is None or 0 <= self.seed <= _MAX_SEED, "seed",
+                      "must be >= 0 and < 2**64 (torch.manual_seed's range), or None")

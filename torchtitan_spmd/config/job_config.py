@@ -104,7 +104,12 @@ class JobConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Check rules that span sections. Call again after mutating sections."""
+        """Check every section's fields again, then the rules that span sections.
+
+        Runs on construction; call again after mutating sections (the trainer does).
+        """
+        for name in _SECTIONS:
+            getattr(self, name).check()
         if self.debug.spmd_typechecking:
             if self.parallelism.pipeline_parallel_degree > 1:
                 raise ValueError(

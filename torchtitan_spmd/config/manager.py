@@ -287,9 +287,22 @@ class ConfigManager:
     @staticmethod
     def _load_toml(path: str) -> JobConfig:
         file = Path(path)
-        if not file.is_file():
+        if file.is_dir():
+            raise ValueError(f"job.config_file {path!r} is a directory, not a TOML file.")
+        if not file.exists():
             raise ValueError(f"job.config_file: no such file {path!r}.")
-        text = file.read_text()
+        try:
+            raw = file.read_bytes()
+        except OSError as err:
+            raise ValueError(f"job.config_file {path!r} cannot be read: {err.strerror or err}.") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw[: err.start].count(b"\n") + 1
+            raise ValueError(
+                f"job.config_file {path!r} is not UTF-8 text (TOML must be): byte "
+                f"{raw[err.start:err.start + 1]!r} at offset {err.start}, line {line}."
+            ) from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:

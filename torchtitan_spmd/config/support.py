@@ -91,16 +91,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     *_rows(ActivationCheckpointConfig, "activation checkpointing",
            *(f.name for f in dataclasses.fields(ActivationCheckpointConfig) if f.name != "mode")),
     *_rows(CompileConfig, "torch.compile", "enable", "components", "backend"),
-    *_rows(CommConfig, "a separate communication timeout after the first step", "train_timeout_seconds"),
-    *_rows(CommConfig, "the NCCL flight recorder", "trace_buf_size", "save_traces_folder",
-           "save_traces_file_prefix"),
     *_rows(CommConfig, "communication modes other than 'default'", "mode"),
     *_rows(DebugConfig, "warn-only deterministic mode", "deterministic_warn_only"),
     *_rows(DebugConfig, "MoE load balancing (no MoE model is built in)", "moe_force_load_balance"),
     *_rows(DebugConfig, "autograd anomaly detection", "detect_anomaly"),
     *_rows(DebugConfig, "batch-invariant mode", "batch_invariant"),
-    *_rows(DebugConfig, "printing the config at start-up", "print_config"),
-    *_rows(DebugConfig, "saving the config to a file", "save_config_file"),
 )
 
 for _row in UNSUPPORTED:  # a typo in the table is a packaging error, caught on import

@@ -501,9 +501,12 @@ class ParallelDims:
             mesh = self._new_mesh(axes, world._rank_map, root=world)
             self._check_mesh(axes, mesh)
             self._meshes[axes] = mesh
-            if len(axes) == 1 and axes[0] not in _BASE_AXES:
+            if len(axes) == 1 and axes[0] not in _BASE_AXES and self.is_axis_active(axes[0]):
                 # Lets DTensor find a flattened group for a multi-axis collective, and
-                # makes torch's own ``_flatten`` of the same ranks reuse this mesh.
+                # makes torch's own ``_flatten`` of the same ranks reuse this mesh. Never
+                # a fake-backed axis: DTensor picks a flattened mesh by its ranks alone
+                # (e.g. inactive ``efsdp`` has the ranks of ``(dp_shard, cp, tp)``), and its
+                # collectives would then silently do nothing.
                 world._flatten_mapping.setdefault(axes[0], mesh)
         return mesh
 

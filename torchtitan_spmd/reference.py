@@ -1,0 +1,294 @@
+"""An independent reference for parity: the built-in model families restated in plain PyTorch.
+
+The parity tests and ``python -m torchtitan_spmd.parity`` compare the trainer, under
+every backend and layout, with this module. It shares **no runtime code** with the
+trainer: the decoder (``llama3`` and ``qwen3``) is written here from its math, on a
+flat dict of full tensors, with no module of :mod:`torchtitan_spmd.models` or
+:mod:`torchtitan_spmd.distributed`; the optimizer is ``torch.optim.AdamW``; the
+learning rate is the schedule's closed form; the gradient norm and clipping are
+written out; the loss is ``F.cross_entropy`` over the whole global batch. By
+default it computes in float64, so what it measures is the trainer's own error.
+
+What it takes from the project, and only as data:
+
+- the initial weights: the full tensors the family's ``initial_value`` defines
+  (:func:`initial_weights`), the same ones every rank of a real run copies its
+  shards of; or, when the run starts from ``checkpoint.initial_load_path`` (a seed
+  checkpoint), that checkpoint's model entries, read with ``torch.distributed.checkpoint``
+  on this one process (:func:`checkpoint_weights`);
+- the global batches: the single-process data loader's batches (the data-parallel
+  split the trainer does is what the comparison checks), each checked to be
+  next-token pairs (:func:`global_batches`).
+
+Pure parts (:func:`forward`, :func:`lr_factor`, :func:`train`) import torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+
+__all__ = [
+    "ADAMW_BETAS",
+    "ARCHITECTURES",
+    "Architecture",
+    "checkpoint_weights",
+    "forward",
+    "global_batches",
+    "initial_weights",
+    "lr_factor",
+    "run_reference",
+    "train",
+]
+
+#: AdamW's betas, as torchtitan configures them (the config has no field for them).
+ADAMW_BETAS: tuple[float, float] = (0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What sets a family apart, as numbers and two switches."""
+
+    rope: Literal["interleaved", "half"]
+    """RoPE pairs: ``(x[2i], x[2i+1])`` (Llama) or ``(x[i], x[i + d/2])`` (Qwen, rotate-half)."""
+
+    qk_norm: bool
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+
+
+#: Family name -> (RoPE pairing, QK norm). The numbers come from the family's flavour.
+ARCHITECTURES: dict[str, tuple[Literal["interleaved", "half"], bool]] = {
+    "llama3": ("interleaved", False),
+    "qwen3": ("half", True),
+}
+
+
+# ----------------------------------------------------------------------------- the model
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, theta: float, style: str) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, seq, heads, d]``: pair ``i`` of position ``p`` by ``p * theta**(-2i/d)``."""
+    seq, d = x.shape[1], x.shape[3]
+    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.outer(torch.arange(seq, dtype=torch.float64), freq)
+    cos = angle.cos().to(x.dtype)[None, :, None, :]
+    sin = angle.sin().to(x.dtype)[None, :, None, :]
+    if style == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch: Architecture) -> torch.Tensor:
+    bsz, seq, _ = x.shape
+    d = arch.head_dim
+    q = (x @ w[prefix + "wq.weight"].T).view(bsz, seq, -1, d)
+    k = (x @ w[prefix + "wk.weight"].T).view(bsz, seq, -1, d)
+    v = (x @ w[prefix + "wv.weight"].T).view(bsz, seq, -1, d)
+    if arch.qk_norm:
+        q = _rms_norm(q, w[prefix + "q_norm.weight"], arch.norm_eps)
+        k = _rms_norm(k, w[prefix + "k_norm.weight"], arch.norm_eps)
+    q, k = _rope(q, arch.rope_theta, arch.rope), _rope(k, arch.rope_theta, arch.rope)
+    group = q.shape[2] // k.shape[2]  # query head h reads key/value head h // group
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, seq, -1)
+    return out @ w[prefix + "wo.weight"].T
+
+
+def _layer_count(weights: Mapping[str, torch.Tensor]) -> int:
+    return len({name.split(".")[1] for name in weights if name.startswith("layers.")})
+
+
+def _expected_names(n_layers: int, qk_norm: bool) -> set[str]:
+    names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    per_layer = ["attention_norm.weight", "ffn_norm.weight", *(f"attention.{m}.weight" for m in "wq wk wv wo".split()),
+                 *(f"feed_forward.{m}.weight" for m in ("w1", "w2", "w3"))]
+    if qk_norm:
+        per_layer += ["attention.q_norm.weight", "attention.k_norm.weight"]
+    return names | {f"layers.{i}.{p}" for i in range(n_layers) for p in per_layer}
+
+
+def _check_names(weights: Mapping[str, torch.Tensor], arch: Architecture) -> int:
+    n_layers = _layer_count(weights)
+    expected = _expected_names(n_layers, arch.qk_norm)
+    if set(weights) != expected:
+        raise ValueError(f"reference: the weights do not match the architecture: missing "
+                         f"{sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}.")
+    return n_layers
+
+
+def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` of the pre-norm decoder for int64 ``tokens`` ``[batch, seq]``.
+
+    ``h = x + attn(rms(x)); x' = h + w2(silu(w1 rms(h)) * w3 rms(h))``, causal softmax attention
+    with grouped key/value heads, RoPE on queries and keys, a final RMSNorm and the output matrix.
+    """
+    n_layers = _check_names(weights, arch)
+    h = weights["tok_embeddings.weight"][tokens]
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        h = h + _attention(_rms_norm(h, weights[p + "attention_norm.weight"], arch.norm_eps), weights,
+                           p + "attention.", arch)
+        x = _rms_norm(h, weights[p + "ffn_norm.weight"], arch.norm_eps)
+        gate = F.silu(x @ weights[p + "feed_forward.w1.weight"].T) * (x @ weights[p + "feed_forward.w3.weight"].T)
+        h = h + gate @ weights[p + "feed_forward.w2.weight"].T
+    return _rms_norm(h, weights["norm.weight"], arch.norm_eps) @ weights["output.weight"].T
+
+
+# ----------------------------------------------------------------------------- training
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_factor: float) -> float:
+    """The learning rate of 0-based step ``step`` over ``optimizer.lr``, in closed form.
+
+    Warmup: ``(step + 1) / (warmup_steps + 1)``; then cosine decay from 1 to ``min_lr_factor``
+    over the ``total_steps - warmup_steps`` remaining steps, flat at ``min_lr_factor`` after.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_factor + (1.0 - min_lr_factor) * (1.0 + math.cos(math.pi * progress)) / 2.0
+
+
+def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+          arch: Architecture, *, lr: float, eps: float, weight_decay: float, betas: tuple[float, float],
+          warmup_steps: int, total_steps: int, min_lr_factor: float, max_norm: float,
+          dtype: torch.dtype = torch.float64) -> list[tuple[float, float]]:
+    """Train a copy of ``weights`` on ``batches``; per step ``(mean loss, gradient norm before clipping)``.
+
+    ``torch.optim.AdamW`` (the single-tensor implementation) over every tensor, the
+    learning rate set each step from :func:`lr_factor`, and gradients scaled by
+    ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``.
+    """
+    params = {name: t.detach().to(dtype=dtype, device="cpu").clone().requires_grad_(True)
+              for name, t in weights.items()}
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            foreach=False)
+    records = []
+    for step, (tokens, labels) in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
+                                         min_lr_factor=min_lr_factor)
+        logits = forward(params, tokens, arch)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        grads = [p.grad for p in params.values() if p.grad is not None]
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        if max_norm > 0:
+            scale = min(1.0, max_norm / (float(norm) + 1e-6))
+            for g in grads:
+                g.mul_(scale)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        records.append((float(loss.detach()), float(norm)))
+    return records
+
+
+# ----------------------------------------------------------------------------- inputs (data)
+def initial_weights(model_name: str, flavor: str, seed: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The full initial weights of ``model_name``/``flavor`` under ``seed``, by the trainer's names.
+
+    The family's ``initial_value`` defines them (every rank of a run copies its shards of
+    these); this is the only thing the reference reads from the model package.
+    """
+    from torchtitan_spmd.models import get_model_spec
+
+    model = get_model_spec(model_name).build_initialized(flavor, seed=seed, vocab_size=vocab_size)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def checkpoint_weights(path: str, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model entries of the DCP checkpoint at ``path``, shaped and named as ``like``.
+
+    Read with ``torch.distributed.checkpoint.load`` on this one process (no process group):
+    DCP assembles each full tensor from whatever layout the checkpoint was saved in.
+
+    Raises:
+        ValueError: ``path`` is not a DCP checkpoint, or lacks one of ``like``'s names.
+    """
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"reference: checkpoint.initial_load_path={path!r} is not a DCP checkpoint "
+                         "(no .metadata file in it).")
+    state = {name: torch.empty_like(t) for name, t in like.items()}
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as err:  # DCP wraps a missing key or a bad shape in its own CheckpointException
+        raise ValueError(f"reference: could not read the model from checkpoint.initial_load_path={path!r}: "
+                         f"{err}") from err
+    return state
+
+
+def global_batches(job_config: JobConfig, global_batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``training.steps`` global batches of ``global_batch`` sequences, from the single-process loader.
+
+    Each must be a next-token pair (``labels[:, :-1] == inputs[:, 1:]``).
+    """
+    from torchtitan_spmd.data import build_dataloader
+
+    training = job_config.training
+    loader = build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=global_batch, seq_len=training.seq_len,
+                              seed=seed)
+    batches = [next(loader) for _ in range(training.steps)]
+    for step, (tokens, labels) in enumerate(batches, 1):
+        if tokens.shape != (global_batch, training.seq_len) or not torch.equal(labels[:, :-1], tokens[:, 1:]):
+            raise ValueError(f"reference: the data loader's batch {step} is not {global_batch} next-token "
+                             f"pairs of {training.seq_len} tokens.")
+    return batches
+
+
+def architecture(job_config: JobConfig, model_config: Any) -> Architecture:
+    """The :class:`Architecture` of ``job_config``'s family, its numbers read from ``model_config``."""
+    name = job_config.model.name
+    if name not in ARCHITECTURES:
+        raise ValueError(f"reference: no reference for model.name={name!r}; it restates "
+                         f"{', '.join(map(repr, ARCHITECTURES))}.")
+    rope, qk_norm = ARCHITECTURES[name]
+    return Architecture(rope=rope, qk_norm=qk_norm, head_dim=int(model_config.head_dim),
+                        norm_eps=float(model_config.norm_eps), rope_theta=float(model_config.rope_theta))
+
+
+def run_reference(job_config: JobConfig, *, global_batch: int,
+                  dtype: torch.dtype = torch.float64) -> list[tuple[float, float]]:
+    """Per-step ``(loss, grad_norm)`` of ``job_config`` on one process, by this module's math.
+
+    ``global_batch``: sequences per step over all data-parallel ranks (``local_batch_size``
+    times the data-parallel degree of the run it is compared with).
+    """
+    from torchtitan_spmd.data import Tokenizer
+    from torchtitan_spmd.models import get_model_spec
+
+    cfg = job_config
+    seed = cfg.debug.seed if cfg.debug.seed is not None else 0
+    vocab = Tokenizer().vocab_size
+    model_config = get_model_spec(cfg.model.name).model_config(cfg.model.flavor, vocab_size=vocab)
+    opt = cfg.optimizer
+    betas = (float(getattr(opt, "beta1", ADAMW_BETAS[0])), float(getattr(opt, "beta2", ADAMW_BETAS[1])))
+    weights = initial_weights(cfg.model.name, cfg.model.flavor, seed, vocab)
+    if cfg.checkpoint.enable and cfg.checkpoint.initial_load_path:
+        weights = checkpoint_weights(cfg.checkpoint.initial_load_path, weights)
+    return train(
+        weights, global_batches(cfg, global_batch, seed),
+        architecture(cfg, model_config), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=betas,
+        warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=cfg.training.steps,
+        min_lr_factor=cfg.lr_scheduler.min_lr_factor, max_norm=float(cfg.training.max_norm), dtype=dtype,
+    )
