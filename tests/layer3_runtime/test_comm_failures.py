@@ -3,9 +3,9 @@
 The stall and kill tests run the real CLI under torchrun on 4 gloo ranks (FSDP 2 x TP 2,
 so the collectives that wait are on the sub-mesh groups, not only the world group), stop
 or kill rank 1 once step 3 is logged, and require the job to end non-zero within
-``comm.train_timeout_seconds`` plus a minute (the issue's bound), with one line per
-surviving rank naming the collective it was in. ``comm.init_timeout_seconds`` is set far
-above the bound, so a job that kept the init timeout after the first step, or left a
+``comm.train_timeout_seconds`` plus a minute (the issue's bound), each surviving rank that
+reports (torchrun ends the others once the first exits) in one line naming the collective.
+``comm.init_timeout_seconds`` is set far above the bound, so a job that kept the init timeout after the first step, or left a
 sub-mesh group on torch's 30-minute default, overruns it.
 """
 
@@ -111,11 +111,14 @@ def _run_and_break(tmp_path: Path, sig: signal.Signals) -> tuple[int | None, flo
 _REPORT = re.compile(r"^error: rank (\d+): (.*)$", re.M)
 
 
-def _check_reports(out: str, expected_ranks: set[int], what: str) -> None:
+def _check_reports(out: str, *what: str) -> None:
+    """Each line comes from a surviving rank and names the collective, its caller and ``what``; at
+    least one survivor reports. (Once the first rank exits, torchrun SIGTERMs the rest: a survivor
+    still waiting out its own timeout then ends without a line, so not every one always prints.)"""
     reports = {int(r): line for r, line in _REPORT.findall(out)}
-    assert set(reports) == expected_ranks, out[-4000:]
+    assert reports and set(reports) <= {0, 2, 3}, out[-4000:]
     for line in reports.values():
-        assert what in line and "in step " in line, line
+        assert any(w in line for w in what) and "in step " in line, line
         # The collective, named from the flight recorder, and where in the project it was called.
         assert re.search(r"(allreduce|all_reduce|allgather|all_gather|reduce_scatter|broadcast|barrier)", line,
                          re.I), line
@@ -128,7 +131,7 @@ def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path: Path) ->
     print(f"\nSIGSTOP: exit {rc} after {seconds:.1f} s", *(m.group(0) for m in _REPORT.finditer(out)), sep="\n")
     assert rc is not None and seconds <= BOUND_S, f"still running {seconds:.0f} s after SIGSTOP:\n{out[-3000:]}"
     assert rc != 0
-    _check_reports(out, {0, 2, 3}, f"timed out after comm.train_timeout_seconds={TRAIN_TIMEOUT_S} s")
+    _check_reports(out, f"timed out after comm.train_timeout_seconds={TRAIN_TIMEOUT_S} s (a peer rank stalled")
 
 
 @pytest.mark.multiproc
@@ -137,11 +140,8 @@ def test_a_killed_rank_ends_the_job_within_the_train_timeout(tmp_path: Path) -> 
     print(f"\nSIGKILL: exit {rc} after {seconds:.1f} s", *(m.group(0) for m in _REPORT.finditer(out)), sep="\n")
     assert rc is not None and seconds <= BOUND_S, f"still running {seconds:.0f} s after SIGKILL:\n{out[-3000:]}"
     assert rc != 0
-    reports = {int(r) for r, _ in _REPORT.findall(out)}
-    # The survivors that report before torchrun tears the job down (at least one does).
-    assert reports and reports <= {0, 2, 3}, out[-3000:]
-    for _, line in _REPORT.findall(out):
-        assert "called from torchtitan_spmd/" in line, line
+    _check_reports(out, "a peer rank closed the connection (it crashed or was killed) during ",
+                   f"timed out after comm.train_timeout_seconds={TRAIN_TIMEOUT_S} s")
 
 
 # ----------------------------------------------------------------------------- environment
