@@ -106,7 +106,6 @@ def test_representation_is_registered_and_imports_the_library() -> None:
 @pytest.mark.parametrize(
     ("degrees", "needles"),
     [
-        ({"context_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["context parallel", "context_parallel_degree=1"]),
         ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],

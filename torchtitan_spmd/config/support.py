@@ -81,8 +81,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
         "pipeline_parallel_microbatch_size",
     ),
-    *_rows(ParallelismConfig, "context parallelism (load balancing, kv rotation)",
-           "context_parallel_load_balancer", "context_parallel_rotate_method"),
     *_rows(CheckpointConfig, "checkpointing", *(f.name for f in dataclasses.fields(CheckpointConfig))),
     Unsupported(ActivationCheckpointConfig, "mode", "activation checkpointing", also_allowed=("none",)),
     *_rows(ActivationCheckpointConfig, "activation checkpointing",
