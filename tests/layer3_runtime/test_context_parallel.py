@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -132,3 +133,25 @@ def test_full_dtensor_cp_parity_with_single_process(config_name: str) -> None:
     got = run_config(cp_job_config("full_dtensor", config_name), world)  # ranks identical, or it raises
     loss_diff, norm_diff = check_cp_parity(got, config_name)
     print(f"\nfull_dtensor {config_name}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
+
+
+@pytest.mark.parametrize(("dp_shard", "cp"), [(1, 2), (2, 2)])
+def test_fsdp_shards_parameters_over_dp_shard_x_cp(fake_pg: Callable[[int], None], dp_shard: int, cp: int) -> None:
+    """Parameters are sharded over every rank that holds different tokens (torchtitan's ``fsdp`` axis);
+    parity cannot see this (FSDP would still sum the gradients over a replicated ``cp``)."""
+    from torchtitan_spmd.distributed.context_parallel import context_parallel_backends
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+    from torchtitan_spmd.distributed.representation import get_representation
+
+    fake_pg(dp_shard * cp)
+    for backend in context_parallel_backends():
+        pd = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=1, pp=1, ep=1, world_size=dp_shard * cp,
+                          spmd_backend=backend, device_type="cpu")
+        pd.build_mesh()
+        spec = get_representation(backend)(pd).fsdp_spec()
+        assert spec is not None and spec.dp_mesh_dims is not None, backend
+        shard = spec.dp_mesh_dims.shard
+        shard = (shard,) if isinstance(shard, str) else tuple(shard or ())
+        names = spec.mesh.mesh_dim_names or ()
+        assert "cp" in shard, (backend, shard)
+        assert math.prod(spec.mesh.size(names.index(a)) for a in shard) == dp_shard * cp, (backend, shard)
