@@ -12,6 +12,8 @@ forking). Per rank it reports:
   ``attention`` modules: SDPA over the gathered keys and values) save for backward, summed
   over the layers (unique storages, counted by ``torch.autograd.graph.saved_tensors_hooks``
   around each kernel call), in the last measured step;
+- of which **the CP mask** (one ``[seq/cp, seq]`` float tensor per step, shared by every
+  layer), and the rest per layer (queries, the gathered keys and values, outputs);
 - **step time**: the median over the measured steps (after ``--warmup``), rank 0.
 
 ``cp == 1`` is the same model without context parallelism (the causal SDPA on full
@@ -85,7 +87,10 @@ def _rank(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
         trainer.step(step)
         times.append(time.perf_counter() - start)
         last = sum(saved.values())
-    return {"attention_saved_bytes": last, "step_s": times}
+    cp = trainer.context_parallel
+    masks = {m.untyped_storage().data_ptr() for m in (cp._masks.values() if cp is not None else ())}
+    mask_bytes = sum(n for ptr, n in saved.items() if ptr in masks)
+    return {"attention_saved_bytes": last, "mask_bytes": mask_bytes, "step_s": times}
 
 
 def main() -> None:
@@ -102,15 +107,18 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"seq {args.seq_len}, batch 1, llama3 debugmodel widths, {args.layers} layers, {args.backend}, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load:.1f} at start\n")
-    print("| CP | ranks | attention saved for backward per rank (MiB) | × CP 1 | median step (s) |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| CP | ranks | attention saved for backward per rank (MiB) | × CP 1 | of which the CP mask (MiB) "
+          "| without the mask, per layer (MiB) | median step (s) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     first = None
     for cp in (int(c) for c in args.cp.split(",")):
         per_rank = run_forked(_rank, cp, _config(args, cp), timeout_s=3600)
         mem = max(r["attention_saved_bytes"] for r in per_rank) / 2**20
+        mask = max(r["mask_bytes"] for r in per_rank) / 2**20
         first = first or mem
         step = statistics.median(per_rank[0]["step_s"][args.warmup:])
-        print(f"| {cp} | {cp} | {mem:.1f} | {mem / first:.2f} | {step:.2f} |", flush=True)
+        print(f"| {cp} | {cp} | {mem:.1f} | {mem / first:.2f} | {mask:.1f} | {(mem - mask) / args.layers:.1f} "
+              f"| {step:.2f} |", flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
