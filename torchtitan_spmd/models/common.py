@@ -154,12 +154,12 @@ class ScaledDotProductAttention(nn.Module):
         with kv head ``h // n_rep``. ``attn_mask``: an additive ``[q_seq, kv_seq]`` mask
         (context parallelism's causal mask over global positions).
         """
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        # enable_gqa: no repeated copy of k and v (on CPU the flash kernel saves them as given,
+        # which halves what attention keeps for backward at n_heads = 2 * n_kv_heads).
+        gqa = q.shape[1] != k.shape[1]
         if attn_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
 
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
