@@ -137,6 +137,10 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.unsqueeze(3).expand(bs, seqlen, n_kv, n_rep, head_dim).reshape(bs, seqlen, n_kv * n_rep, head_dim)
 
 
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
 class ScaledDotProductAttention(nn.Module):
     """Causal grouped-query SDPA over heads-first ``[batch, heads, seq, head_dim]`` tensors.
 
@@ -157,6 +161,11 @@ class ScaledDotProductAttention(nn.Module):
         # enable_gqa: no repeated copy of k and v (on CPU the flash kernel saves them as given,
         # which halves what attention keeps for backward at n_heads = 2 * n_kv_heads).
         gqa = q.shape[1] != k.shape[1]
+        for t in (k, v) if gqa else ():
+            if t.requires_grad:
+                # The CPU flash kernel's GQA backward returns key/value gradients in a layout
+                # that a later DTensor ``view`` in backward (full_dtensor) rejects.
+                t.register_hook(_contiguous)
         if attn_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
