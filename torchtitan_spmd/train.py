@@ -34,9 +34,10 @@ from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.distributed import comm
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.checkpoint import CheckpointManager
+from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
 from torchtitan_spmd.distributed.fsdp import apply_fsdp
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
-from torchtitan_spmd.distributed.inputs import prepare_inputs
+from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.loss import cross_entropy_loss, global_loss_value
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
@@ -158,6 +159,7 @@ class Trainer:
         self._train_timeout_set = False
         self.representation = representation_cls(self.parallel_dims)
         self.representation.validate(job_config)
+        self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
         self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
 
         self.seed = job_config.debug.seed if job_config.debug.seed is not None else 0
@@ -218,7 +220,9 @@ class Trainer:
     def build_model(self) -> nn.Module:
         """Build the model on the meta device, then compose the techniques, in this order.
 
-        1. the sharding plan: tensor, sequence and loss parallelism as it declares;
+        1. context parallelism's attention body (before the plan, so that the plan's
+           local region wraps it), then the sharding plan: tensor, sequence, context
+           and loss parallelism as it declares;
         2. (activation checkpointing and 3. ``torch.compile`` go here);
         4. FSDP2 on what the representation shards;
         5. materialise on the device and initialise, each rank its shards of the
@@ -227,6 +231,7 @@ class Trainer:
         rep = self.representation
         with torch.device("meta"):
             model = self.model_spec.build(self.model_config)
+        apply_context_parallel(model, self.plan, self.context_parallel)
         self.state_layouts = apply_plan(model, self.plan, rep)
         apply_fsdp(model, self.plan, rep)
         init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
@@ -238,9 +243,13 @@ class Trainer:
         tokens, labels = next(self.dataloader)
         tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
         rep = self.representation
+        model_kwargs: dict[str, torch.Tensor] = {}
+        if self.context_parallel is not None:  # this rank's slice of every sequence, and its positions
+            tokens, labels, positions = self.context_parallel.shard_batch(tokens, labels)
+            model_kwargs["positions"] = prepare_positions(positions, rep)
         inputs, targets = prepare_inputs(tokens, labels, rep)
         with self.train_context():
-            logits = self.model(inputs)
+            logits = self.model(inputs, **model_kwargs)
             loss = cross_entropy_loss(logits, targets, rep, logits_layout=self.plan.output_layout())
             loss.backward()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep)

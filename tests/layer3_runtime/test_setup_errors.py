@@ -31,7 +31,6 @@ def _cfg(backend: str, **parallelism: int) -> JobConfig:
 @pytest.mark.parametrize(
     ("degrees", "needles"),
     [
-        ({"context_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["context parallel", "context_parallel_degree=1"]),
         ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
@@ -57,14 +56,6 @@ def test_unimplemented_config_values_stop_the_trainer_at_setup() -> None:
     with pytest.raises(ValueError, match="compile.enable=True: torch.compile is not implemented"):
         Trainer(cfg)  # before any process group or model exists
     assert not dist.is_initialized()
-
-
-def test_full_dtensor_cp_message_names_sdpa(fake_pg: Callable[[int], None]) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    fake_pg(4)
-    with pytest.raises(ValueError, match="context parallelism under SDPA attention"):
-        Trainer(_cfg("full_dtensor", context_parallel_degree=2, data_parallel_shard_degree=2))
 
 
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])

@@ -106,7 +106,6 @@ def test_representation_is_registered_and_imports_the_library() -> None:
 @pytest.mark.parametrize(
     ("degrees", "needles"),
     [
-        ({"context_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["context parallel", "context_parallel_degree=1"]),
         ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
@@ -122,6 +121,22 @@ def test_unsupported_combinations_fail_at_setup(fake_world: Callable[[int], None
     assert "spmd_backend='spmd_types'" in msg
     for needle in needles:
         assert needle in msg
+
+
+def test_default_backend_with_cp_names_both_cp_backends(fake_world: Callable[[int], None]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_world(2)
+    cfg = JobConfig.from_dict({
+        "model": {"flavor": "tiny"},
+        "training": {"steps": 1, "local_batch_size": 1, "seq_len": 16, "device": "cpu"},
+        "parallelism": {"spmd_backend": "default", "data_parallel_shard_degree": 1, "context_parallel_degree": 2},
+    })
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg)
+    msg = str(err.value)
+    assert ("Context Parallel requires parallelism.spmd_backend='full_dtensor' or "
+            "parallelism.spmd_backend='spmd_types', got 'default'") in msg, msg
 
 
 def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int], None],

@@ -81,8 +81,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
         "pipeline_parallel_microbatch_size",
     ),
-    *_rows(ParallelismConfig, "context parallelism (load balancing, kv rotation)",
-           "context_parallel_load_balancer", "context_parallel_rotate_method"),
     *_rows(CheckpointConfig, "Hugging Face safetensors checkpoints", "initial_load_in_hf",
            "initial_load_in_hf_quantized", "last_save_in_hf"),
     Unsupported(CheckpointConfig, "async_mode", "asynchronous checkpointing through pinned shared memory "

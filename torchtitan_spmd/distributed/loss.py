@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .layout import SpmdLayout
 from .representation import TensorRepresentation
@@ -28,6 +27,7 @@ __all__ = [
     "IGNORE_INDEX",
     "VocabParallelCrossEntropy",
     "cross_entropy_loss",
+    "cross_entropy_per_token",
     "global_loss_value",
     "vocab_parallel_cross_entropy",
 ]
@@ -39,10 +39,10 @@ IGNORE_INDEX = -100
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocab-sharded logits, on local tensors.
 
-    ``logits``: ``[N, V_local]`` (this rank's contiguous vocab chunk in ``torch.chunk``
-    order, like DTensor's ``Shard``, so uneven splits work); ``labels``: ``[N]`` global
+    ``logits``: ``[..., V_local]`` (this rank's contiguous vocab chunk in ``torch.chunk``
+    order, like DTensor's ``Shard``, so uneven splits work); ``labels``: ``[...]`` global
     ids, the same on every rank of ``group``; rows whose label is ``ignore_index``
-    give 0. Returns ``[N]`` float32 losses, identical on every rank of ``group``, so
+    give 0. Returns ``[...]`` float32 losses, identical on every rank of ``group``, so
     the backward needs no collective. Forward: one MAX all-reduce (row maxima and
     the chunk size) and one SUM all-reduce (exp-sums and target logits).
     """
@@ -50,8 +50,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor,
                 group: dist.ProcessGroup, ignore_index: int) -> torch.Tensor:
-        ctx.input_dtype = logits.dtype
-        logits = logits.float()
+        ctx.input_dtype, ctx.input_shape = logits.dtype, logits.shape
+        out_shape = labels.shape
+        logits, labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
         n, v_local = logits.shape
         rank = dist.get_rank(group)
         # One MAX all-reduce: the row maxima and the chunk size (rank 0's, the largest).
@@ -75,7 +76,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
         softmax = exp.div_(sum_exp.unsqueeze(1))
         ctx.save_for_backward(softmax, in_range & valid, local_idx, valid)
-        return loss
+        return loss.view(out_shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -83,8 +84,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         if grad.shape[1]:
             grad.scatter_add_(1, local_idx.unsqueeze(1), -hit.to(grad.dtype).unsqueeze(1))
-        grad.mul_((grad_out * valid.to(grad.dtype)).unsqueeze(1))
-        return grad.to(ctx.input_dtype), None, None, None
+        grad.mul_((grad_out.reshape(-1) * valid.to(grad.dtype)).unsqueeze(1))
+        return grad.to(ctx.input_dtype).view(ctx.input_shape), None, None, None
 
     @staticmethod
     def spmd_typecheck(out: torch.Tensor, *, logits: torch.Tensor, labels: torch.Tensor,
@@ -100,7 +101,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                                  group: dist.ProcessGroup, *,
                                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Per-token losses ``[N]`` of vocab-sharded ``logits [N, V_local]`` (see the class)."""
+    """Per-token losses ``[...]`` of vocab-sharded ``logits [..., V_local]`` (see the class)."""
     return VocabParallelCrossEntropy.apply(logits, labels, group, ignore_index)
 
 
@@ -125,16 +126,29 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representatio
     (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`).
     """
     logits, labels = representation.to_local(logits), representation.to_local(labels)
-    flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten(0, 1)
+    # Per token over [batch, seq], never flattened: under context parallelism both dims
+    # are sharded (on dp and cp), and no layout describes their flattening.
     group = _vocab_group(representation, logits_layout, logits.dim())
     if group is not None:
-        per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, group)
+        per_token = vocab_parallel_cross_entropy(logits, labels, group)
     else:
-        per_token = F.cross_entropy(flat_logits.float(), flat_labels, reduction="none",
-                                    ignore_index=IGNORE_INDEX)
+        per_token = cross_entropy_per_token(logits, labels)
     total = per_token.sum()
-    count = representation.sum_over_batch((flat_labels != IGNORE_INDEX).to(total.dtype).sum())
+    count = representation.sum_over_batch((labels != IGNORE_INDEX).to(total.dtype).sum())
     return total / count
+
+
+def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, *,
+                            ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token cross-entropy ``[...]`` of full-vocabulary ``logits [..., V]`` (float32).
+
+    ``F.cross_entropy(..., reduction="none")``'s values, bit for bit, without flattening
+    the leading dims (0 where the label is ``ignore_index``).
+    """
+    logp = logits.float().log_softmax(-1)
+    valid = labels != ignore_index
+    picked = logp.gather(-1, torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, -picked, torch.zeros_like(picked))
 
 
 def global_loss_value(loss: torch.Tensor, representation: TensorRepresentation) -> float:

@@ -11,7 +11,8 @@ A model declares, once, for each module (matched by fully-qualified name with
 - ``local_compute=True`` when the module's body must run on local shards
   (e.g. attention kernels that DTensor cannot shard on every device).
 
-Layouts only mention the *model-parallel* axes (``tp``, later ``cp``/``ep``).
+Layouts only mention the *model-parallel* axes (``cp``, ``tp``; later ``ep``); an
+axis of size 1 is ignored, so one plan serves every degree.
 The data-parallel axes are the backend's business: activations are batch-sharded
 on them and parameters replicated (FSDP shards their storage separately).
 
@@ -100,12 +101,16 @@ class ShardingPlan:
         output_module: FQN of the module whose output is the model's output
             (vocab-sharded logits when loss parallel is on).
         fsdp_units: patterns of the modules FSDP wraps individually (then the root).
+        attention: patterns of the causal attention kernels (``local_compute``
+            modules with ``forward(q, k, v, *, attn_mask=None)``, heads-first) whose
+            body context parallelism replaces (:mod:`.context_parallel`).
     """
 
     modules: Mapping[str, ModulePlan]
     mesh_axes: tuple[str, ...] = ("tp",)
     output_module: str = "output"
     fsdp_units: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()
 
     def output_layout(self) -> SpmdLayout | None:
         """The layout of the model's output: the last layout of ``output_module``'s output boundary."""

@@ -139,6 +139,9 @@ class TensorRepresentation(ABC):
     name: ClassVar[str]
     #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
     supports_typechecking: ClassVar[bool] = False
+    #: Whether this backend runs context parallelism (``context_parallel_degree > 1``):
+    #: sequence-sharded activations and the plan's key/value gather over ``cp``.
+    supports_context_parallel: ClassVar[bool] = False
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims
@@ -153,15 +156,15 @@ class TensorRepresentation(ABC):
     def validate(self, job_config: JobConfig) -> None:
         """Raise ``ValueError`` at setup for what this backend cannot run.
 
-        Context, pipeline and expert parallelism have meshes (``ParallelDims``) but
-        no runtime yet, under every backend.
+        Context parallelism only where :attr:`supports_context_parallel` (the error is
+        torchtitan's ``validate_cp_backend``'s, naming the backends that run it); pipeline
+        and expert parallelism have meshes (``ParallelDims``) but no runtime yet.
         """
         pd, name = self.parallel_dims, self.name
-        if pd.cp_enabled:
-            raise ValueError(describe_unsupported(
-                name, "context parallelism under SDPA attention",
-                "set parallelism.context_parallel_degree=1 (CP needs ring attention, not implemented).",
-            ))
+        if pd.cp_enabled and not self.supports_context_parallel:
+            from .context_parallel import validate_cp_backend
+
+            validate_cp_backend(job_config.parallelism)
         if pd.pp_enabled:
             raise ValueError(describe_unsupported(
                 name, "pipeline parallelism in this runtime", "set parallelism.pipeline_parallel_degree=1."
@@ -190,11 +193,13 @@ class TensorRepresentation(ABC):
 
     def require_torch_for_data_parallel(self, minimum: str, needs: str, *,
                                         available: bool | None = None) -> None:
-        """:meth:`require_torch` for FSDP, when data parallelism is on."""
+        """:meth:`require_torch` for FSDP, when data or context parallelism is on (FSDP shards
+        over ``dp_shard x cp``)."""
         pd = self.parallel_dims
-        if pd.dp_enabled:
+        if pd.dp_cp_enabled:
             self.require_torch(
-                minimum, f"data-parallel sharding (dp_replicate={pd.dp_replicate}, dp_shard={pd.dp_shard})",
+                minimum, f"data-parallel sharding (dp_replicate={pd.dp_replicate}, dp_shard={pd.dp_shard}, "
+                f"cp={pd.cp})",
                 needs, f"Upgrade torch to {minimum} or newer, or use parallelism.spmd_backend='default'.",
                 available=available,
             )

@@ -46,6 +46,7 @@ __all__ = [
     "RotaryEmbedding",
     "ScaledDotProductAttention",
     "check_positive_ints",
+    "check_seq_len",
     "check_tp_divisible",
     "count_parameters",
     "param_seed",
@@ -62,6 +63,14 @@ def check_positive_ints(owner: str, values: Mapping[str, object]) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def check_seq_len(max_seq_len: int, job_config: JobConfig) -> None:
+    """Raise ValueError when ``training.seq_len`` exceeds the model's ``max_seq_len`` (its RoPE tables)."""
+    seq_len = job_config.training.seq_len
+    if seq_len > max_seq_len:
+        raise ValueError(f"training.seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len} "
+                         f"(model.flavor={job_config.model.flavor!r}).")
 
 
 def check_tp_divisible(sizes: Mapping[str, int], job_config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -128,21 +137,43 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.unsqueeze(3).expand(bs, seqlen, n_kv, n_rep, head_dim).reshape(bs, seqlen, n_kv * n_rep, head_dim)
 
 
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
 class ScaledDotProductAttention(nn.Module):
-    """Causal SDPA over ``[batch, heads, seq, head_dim]`` tensors.
+    """Causal grouped-query SDPA over heads-first ``[batch, heads, seq, head_dim]`` tensors.
 
     A module of its own so a sharding plan can declare it a local region (DTensor
-    has no sharding rule for it on every device), and a context-parallel
-    technique can replace its body.
+    has no sharding rule for it on every device), and so context parallelism can
+    replace its mask: keys and values keep their own (fewer) heads up to here, so
+    a context-parallel gather of them moves ``n_kv_heads``, not ``n_heads``.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal mask) v``."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + mask) v``; the mask is causal unless ``attn_mask`` is given.
+
+        ``k``/``v`` may have fewer heads than ``q`` (a divisor): query head ``h`` attends
+        with kv head ``h // n_rep``. ``attn_mask``: an additive ``[q_seq, kv_seq]`` mask
+        (context parallelism's causal mask over global positions).
+        """
+        # enable_gqa: no repeated copy of k and v (on CPU the flash kernel saves them as given,
+        # which halves what attention keeps for backward at n_heads = 2 * n_kv_heads).
+        gqa = q.shape[1] != k.shape[1]
+        for t in (k, v) if gqa else ():
+            if t.requires_grad:
+                # The CPU flash kernel's GQA backward returns key/value gradients in a layout
+                # that a later DTensor ``view`` in backward (full_dtensor) rejects.
+                t.register_hook(_contiguous)
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
 
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``rope(x [batch, seq, heads, head_dim], cos, sin) -> x rotated``."""
+"""``rope(x [batch, seq, heads, head_dim], cos, sin) -> x rotated``; ``cos``/``sin`` are
+``[seq, head_dim // 2]`` or per token ``[batch, seq, head_dim // 2]`` (broadcast over heads)."""
 
 
 class GroupedQueryAttention(nn.Module):
@@ -168,7 +199,8 @@ class GroupedQueryAttention(nn.Module):
         self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``."""
+        """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``
+        or, per token, ``[batch, seq, head_dim//2]``."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -176,8 +208,6 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, rope_cos, rope_sin), self.rope(k, rope_cos, rope_sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
@@ -255,12 +285,20 @@ class Decoder(nn.Module):
         c = self.config
         return precompute_rope(c.head_dim, c.max_seq_len, c.rope_theta)  # type: ignore[attr-defined]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) ``[batch, seq, vocab]`` for int64 ``tokens`` ``[batch, seq]``."""
-        seqlen, limit = tokens.shape[1], self.config.max_seq_len  # type: ignore[attr-defined]
-        if seqlen > limit:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={limit}")
-        rope_cos, rope_sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) ``[batch, seq, vocab]`` for int64 ``tokens`` ``[batch, seq]``.
+
+        ``positions``: each token's index in its sequence (int64, ``tokens``' shape), for
+        RoPE; None means ``0 .. seq-1``. Context parallelism passes them: a rank then holds
+        a slice of every sequence, not its start.
+        """
+        if positions is None:
+            seqlen, limit = tokens.shape[1], self.config.max_seq_len  # type: ignore[attr-defined]
+            if seqlen > limit:
+                raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={limit}")
+            rope_cos, rope_sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        else:  # per-token tables [batch, seq, head_dim // 2], laid out as the tokens
+            rope_cos, rope_sin = F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin)

@@ -1,4 +1,4 @@
-"""The sharding plan of a :class:`~torchtitan_spmd.models.common.Decoder`: Megatron TP + SP + loss parallel.
+"""The sharding plan of a :class:`~torchtitan_spmd.models.common.Decoder`: Megatron TP + SP + loss parallel, CP.
 
 Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under every backend:
 
@@ -9,7 +9,13 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
   parallel; without it the logits are gathered to ``I@tp`` (every TP rank then
   computes the same loss);
 - replicated RoPE tables and a replicated token embedding;
-- attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``).
+- attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``);
+- context parallelism: every activation is sequence-sharded on ``cp`` (``S(1)@cp``;
+  heads-first ``S(2)@cp``), and the SDPA kernel's keys and values are gathered over
+  ``cp`` at its boundary (``S(2)@cp -> R@cp``); with sequence parallelism the
+  residual stream is sharded on the sequence by ``cp``, then by ``tp``. The kernel
+  is the plan's ``attention``, whose body :mod:`torchtitan_spmd.distributed.context_parallel`
+  replaces. An axis of size 1 is ignored, so the plan is the same at every degree.
 
 With sequence parallel off, the residual stream is replicated (``R@tp``) instead of
 ``S(1)@tp``, and rowwise outputs are all-reduced instead of reduce-scattered.
@@ -20,47 +26,53 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchtitan_spmd.distributed.layout import I, P, S, SpmdLayout
+from torchtitan_spmd.distributed.layout import I, P, R, S, SpmdLayout, V
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 
 __all__ = ["HEADS", "decoder_plan"]
 
-#: Attention heads after the split ``[batch, seq, heads/tp, head_dim]``.
-HEADS = SpmdLayout({"tp": S(2)})
+#: Attention heads after the split ``[batch, seq/cp, heads/tp, head_dim]``.
+HEADS = SpmdLayout({"cp": S(1), "tp": S(2)})
 
 
 def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
                  extra: Mapping[str, ModulePlan] | None = None) -> ShardingPlan:
-    """The TP plan of a decoder, plus the family's ``extra`` module plans."""
+    """The TP/SP/CP plan of a decoder, plus the family's ``extra`` module plans."""
     replicated = SpmdLayout()
-    residual = SpmdLayout({"tp": S(1)}) if sequence_parallel else replicated
-    features = SpmdLayout({"tp": S(2)})  # [batch, seq, features/tp]
-    heads_first = SpmdLayout({"tp": S(1)})  # [batch, heads/tp, seq, head_dim]
-    partial = SpmdLayout({"tp": P})
-    vocab = SpmdLayout({"tp": S(2)})  # [batch, seq, vocab/tp]
-    colwise = ModulePlan(params={"weight": SpmdLayout({"tp": S(0)})}, inputs=(replicated,), output=features)
+    sequence = SpmdLayout({"cp": S(1)})  # [batch, seq/cp, ...], replicated on tp
+    # [batch, seq/(cp*tp), dim]: the sequence sharded by cp, then each cp slice by tp.
+    residual = (SpmdLayout({"cp": V, "tp": V}, partition_spec=(None, ("cp", "tp"), None))
+                if sequence_parallel else sequence)
+    features = SpmdLayout({"cp": S(1), "tp": S(2)})  # [batch, seq/cp, features/tp]
+    heads_first = SpmdLayout({"cp": S(2), "tp": S(1)})  # [batch, heads/tp, seq/cp, head_dim]
+    gathered_kv = SpmdLayout({"cp": R, "tp": S(1)})  # [batch, kv_heads/tp, seq, head_dim]
+    partial = SpmdLayout({"cp": S(1), "tp": P})
+    vocab = SpmdLayout({"cp": S(1), "tp": S(2)})  # [batch, seq/cp, vocab/tp]
+    colwise = ModulePlan(params={"weight": SpmdLayout({"tp": S(0)})}, inputs=(sequence,), output=features)
     rowwise = ModulePlan(
         params={"weight": SpmdLayout({"tp": S(1)})},
         inputs=(features,),
         output=Redistribute(partial, residual),
     )
     norm = ModulePlan(params={"weight": replicated}, inputs=(residual,), output=residual)
-    gather_residual = Redistribute(residual, replicated)
+    gather_residual = Redistribute(residual, sequence)
+    gather_kv = Redistribute(heads_first, gathered_kv)
     modules: dict[str, ModulePlan] = {
         "": ModulePlan(params={"rope_cos": replicated, "rope_sin": replicated}),
         "tok_embeddings": ModulePlan(
             params={"weight": replicated},
-            inputs=(replicated,),
-            output=Redistribute(replicated, residual),
+            inputs=(sequence,),
+            output=Redistribute(sequence, residual),
         ),
         "layers.*.attention_norm": norm,
         "layers.*.ffn_norm": norm,
-        "layers.*.attention": ModulePlan(inputs=(gather_residual, replicated, replicated), output=residual),
+        # RoPE tables: [seq, head_dim/2] (replicated), or per token [batch, seq/cp, head_dim/2].
+        "layers.*.attention": ModulePlan(inputs=(gather_residual, sequence, sequence), output=residual),
         "layers.*.attention.wq": colwise,
         "layers.*.attention.wk": colwise,
         "layers.*.attention.wv": colwise,
         "layers.*.attention.sdpa": ModulePlan(
-            inputs=(heads_first, heads_first, heads_first), output=heads_first, local_compute=True
+            inputs=(heads_first, gather_kv, gather_kv), output=heads_first, local_compute=True
         ),
         "layers.*.attention.wo": rowwise,
         "layers.*.feed_forward": ModulePlan(inputs=(gather_residual,), output=residual),
@@ -71,8 +83,9 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         "output": ModulePlan(
             params={"weight": SpmdLayout({"tp": S(0)})},
             inputs=(gather_residual,),
-            output=vocab if loss_parallel else Redistribute(vocab, SpmdLayout({"tp": I})),
+            output=vocab if loss_parallel else Redistribute(vocab, SpmdLayout({"cp": S(1), "tp": I})),
         ),
         **(extra or {}),
     }
-    return ShardingPlan(modules=modules, mesh_axes=("tp",), output_module="output", fsdp_units=("layers.*",))
+    return ShardingPlan(modules=modules, mesh_axes=("cp", "tp"), output_module="output", fsdp_units=("layers.*",),
+                        attention=("layers.*.attention.sdpa",))

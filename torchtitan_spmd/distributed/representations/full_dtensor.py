@@ -10,7 +10,12 @@ rank the 1-rank ``dp_shard`` mesh):
 - every plan boundary must receive DTensors (a plain tensor is an error) and
   redistributes only their model axes;
 - local regions (attention's SDPA, which DTensor cannot shard on every device)
-  run on the local shards, wrapped back into DTensors.
+  run on the local shards, wrapped back into DTensors; an input replicated on an
+  axis where the output is sharded (context parallelism's gathered keys and
+  values, ``R@cp``) gets a ``Partial`` gradient there (each rank's contribution),
+  so the gather's backward is a reduce-scatter;
+- context parallelism: data is ``Shard(1)`` on ``cp`` too, and FSDP shards over
+  ``dp_shard x cp`` (torchtitan's ``fsdp`` axis), which sums the gradients over ``cp``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 try:  # fully_shard(dp_mesh_dims=...) for DTensor parameters on the dense mesh: torch >= 2.13
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
 
     from ..parallel_dims import ParallelDims
 
-__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "FullDTensorRepresentation"]
+__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "FullDTensorRepresentation", "local_grad_placements"]
 
 #: The torch that first has FSDP's ``DataParallelMeshDims`` (2.11 lacks it).
 FSDP_MIN_TORCH = "2.13"
@@ -49,10 +54,19 @@ class FullDTensorRepresentation(DTensorRepresentation):
     """Everything a DTensor on the dense mesh; see the module docstring."""
 
     name: ClassVar[str] = "full_dtensor"
+    supports_context_parallel: ClassVar[bool] = True
 
     @staticmethod
     def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
         mesh = parallel_dims.resolve_mesh(["dp", "cp", "tp"])
+        if mesh is not None and parallel_dims.cp_enabled:
+            # Under CP the mesh layer keeps dp_shard (FSDP's dp_shard x cp) even at size 1;
+            # leave size-1 axes out: they hold no data, and DTensor's sharding search over
+            # sequence-sharded activations grows with the mesh's dims (a 2-D (1, cp) mesh
+            # costs several times a 1-D one in the first step).
+            live = [n for n in mesh.mesh_dim_names or () if parallel_dims.axis_size(n) > 1]
+            if len(live) < mesh.ndim:
+                mesh = parallel_dims.get_optional_mesh(live)
         if mesh is None:
             mesh = parallel_dims.get_optional_mesh("dp_shard", include_singleton_axes=True)
         if mesh is None:
@@ -103,24 +117,39 @@ class FullDTensorRepresentation(DTensorRepresentation):
                      where: str) -> Callable[..., Any]:
         mesh, placements = self._mesh(), self.placements(out_layout, data=True)
 
+        def local(a: Any) -> Any:
+            if not isinstance(a, DTensor):
+                return a
+            return a.to_local(grad_placements=local_grad_placements(a.placements, placements))
+
         @functools.wraps(forward)
         def local_forward(*args: Any, **kwargs: Any) -> Any:
-            out = self.local_body(forward, *args, **kwargs)
+            out = forward(*(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()})
             return DTensor.from_local(out, mesh, placements, run_check=False)
 
         return local_forward
 
     def fsdp_spec(self) -> FsdpSpec | None:
-        if not self.parallel_dims.dp_enabled:
+        """The dense mesh; FSDP shards over ``dp_shard`` (and ``cp``: ``dp_shard x cp``)."""
+        if not self.parallel_dims.dp_cp_enabled:
             return None
         self._check_fsdp_support()
         mesh = self._mesh()
         names = mesh.mesh_dim_names or ()
+        shard = tuple(a for a in ("dp_shard", "cp") if a in names)
         dims = DataParallelMeshDims(
-            shard="dp_shard" if "dp_shard" in names else None,
+            shard=shard if len(shard) > 1 else (shard[0] if shard else None),
             replicate="dp_replicate" if "dp_replicate" in names else None,
         )
         return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
+
+
+def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
+    """The placements of a local region's input gradient: the input's, except ``Partial``
+    where the input is replicated and the output sharded (each rank's output shard
+    depends on the whole input, so each rank holds a part of its gradient)."""
+    return tuple(Partial() if isinstance(i, Replicate) and isinstance(o, Shard) else i
+                 for i, o in zip(inputs, output, strict=True))
 
 
 REPRESENTATION = FullDTensorRepresentation

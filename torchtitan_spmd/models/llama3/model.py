@@ -124,7 +124,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
     Args:
         x: ``[batch, seq, heads, head_dim]`` (any number of heads).
-        cos, sin: ``[seq, head_dim // 2]``.
+        cos, sin: ``[seq, head_dim // 2]``, or per token ``[batch, seq, head_dim // 2]``.
 
     Returns a new tensor of ``x``'s shape and dtype (computed in float32).
     """
@@ -132,8 +132,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     pairs = x.float().reshape(bs, seqlen, n_heads, head_dim // 2, 2)
     x_even = pairs[..., 0]
     x_odd = pairs[..., 1]
-    cos = cos.view(1, seqlen, 1, head_dim // 2)
-    sin = sin.view(1, seqlen, 1, head_dim // 2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.reshape(bs, seqlen, n_heads, head_dim).type_as(x)
 

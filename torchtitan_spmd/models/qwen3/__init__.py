@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_tp_divisible
+from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible
 
 from .model import Qwen3Attention, Qwen3Block, Qwen3Config, Qwen3Model, apply_rotary_emb_half
 from .plan import qwen3_plan
@@ -43,7 +43,8 @@ FLAVORS: dict[str, Qwen3Config] = {
 
 
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError when tensor parallelism cannot shard ``config`` evenly."""
+    """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config`` evenly."""
+    check_seq_len(config.max_seq_len, job_config)
     check_tp_divisible({
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,

@@ -85,15 +85,14 @@ def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
     Args:
         x: ``[batch, seq, heads, head_dim]`` (any number of heads).
-        cos, sin: ``[seq, head_dim // 2]``.
+        cos, sin: ``[seq, head_dim // 2]``, or per token ``[batch, seq, head_dim // 2]``.
 
     Returns a new tensor of ``x``'s shape and dtype (computed in float32).
     """
-    _, seqlen, _, head_dim = x.shape
+    head_dim = x.shape[-1]
     x32 = x.float()
     first, second = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
-    cos = cos.view(1, seqlen, 1, head_dim // 2)
-    sin = sin.view(1, seqlen, 1, head_dim // 2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
 
 

@@ -19,10 +19,14 @@ On the forward/backward mesh ``(dp, cp, tp)`` (active axes only):
   layout is asserted;
 - local regions run under ``spmd_types.local()`` and their output is stamped
   with the declared layout;
-- FSDP2 on the storage mesh (the active ones of ``dp_replicate, dp_shard, tp``)
-  with ``DataParallelMeshDims`` (torch >= 2.14). FSDP also all-reduces, over
-  ``tp``, the gradients of parameters replicated on ``tp`` (their gradient type is
-  ``P``); without FSDP a gradient hook does it.
+- FSDP2 on the storage mesh (the active ones of ``dp_replicate, dp_shard, cp, tp``)
+  with ``DataParallelMeshDims`` (torch >= 2.14), sharding over ``dp_shard x cp``.
+  FSDP also all-reduces, over ``tp``, the gradients of parameters replicated on
+  ``tp`` (their gradient type is ``P``); without FSDP a gradient hook does it;
+- context parallelism: data is ``S(1)@cp``; the plan's key/value gather is one
+  typed ``all_gather`` (``S -> R``, whose backward reduce-scatters the ``P``
+  gradient), and the loss and token count are all-reduced over ``dp`` and ``cp``
+  (``P -> I`` on each).
 
 Modules: :mod:`.mesh_context` (the library's current mesh), :mod:`.layout_types`
 (layouts as annotations), :mod:`.redistribute` (the planner), :mod:`.typecheck`
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import spmd_types as st  # the library (absolute import), not this package
 import torch
 import torch.distributed as dist
-from spmd_types import I, P, R, S, V
+from spmd_types import I, P, R, V
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -51,7 +55,7 @@ from ...representation import (
     TensorRepresentation,
     as_parameter_like,
 )
-from .layout_types import annotate, distribute_tensor, layout_type, state_type
+from .layout_types import annotate, distribute_tensor, layout_type, state_type, with_batch_axis
 from .mesh_context import active, axis_names, group
 from .redistribute import redistribute_per_axis, validate_redistributions
 from .typecheck import spmd_train_context
@@ -76,8 +80,10 @@ FSDP_MIN_TORCH = "2.14"
 _DP = "dp"
 #: Marks a parameter whose gradient hook is installed (hooks belong to the tensor object).
 _TP_GRAD_HOOKED = "_torchtitan_spmd_tp_grad_hooked"
-#: The storage axes FSDP shards (the active ones), data-parallel ones first.
-_STORAGE_AXES = ("dp_replicate", "dp_shard", "tp")
+#: The axes of the storage mesh FSDP is given (the active ones), data-parallel ones first.
+_STORAGE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: The axes the loss and the token count are summed over (torchtitan's ``(batch, cp)`` loss mesh).
+_LOSS_AXES = (_DP, "cp")
 
 
 class SpmdTypesRepresentation(TensorRepresentation):
@@ -85,6 +91,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
 
     name: ClassVar[str] = "spmd_types"
     supports_typechecking: ClassVar[bool] = True
+    supports_context_parallel: ClassVar[bool] = True
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         super().__init__(parallel_dims)
@@ -124,7 +131,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
 
     def _data_type(self, layout: SpmdLayout) -> tuple[dict[Any, Any], st.PartitionSpec | None]:
         mesh = self._mesh()
-        full = layout.with_types(dp=S(0)) if active(mesh, _DP) else layout
+        full = with_batch_axis(layout) if active(mesh, _DP) else layout
         return layout_type(full, mesh, axes=self._live())
 
     def from_local(self, x: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
@@ -171,17 +178,20 @@ class SpmdTypesRepresentation(TensorRepresentation):
         return x
 
     def sum_over_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks holding different tokens: ``P -> I`` on ``dp`` and on ``cp``."""
         mesh = self.forward_mesh
-        if mesh is None or not active(mesh, _DP):
-            return x
-        return st.all_reduce(x, group(mesh, _DP), src=P, dst=I)
+        for axis in _LOSS_AXES:
+            if active(mesh, axis):
+                assert mesh is not None
+                x = st.all_reduce(x, group(mesh, axis), src=P, dst=I)
+        return x
 
     # ------------------------------------------------------------------ FSDP and gradients
     def fsdp_spec(self) -> FsdpSpec | None:
         """The storage mesh (only axes larger than 1: a size-1 axis in it makes FSDP
         reject the annotations as incomplete) and its ``DataParallelMeshDims``."""
         pd = self.parallel_dims
-        if not pd.dp_enabled:
+        if not pd.dp_cp_enabled:
             return None
         self._check_fsdp_support()
         from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.13 (checked above)
@@ -189,8 +199,9 @@ class SpmdTypesRepresentation(TensorRepresentation):
         names = [a for a in _STORAGE_AXES if pd.axis_size(a) > 1]
         mesh = pd.get_optional_mesh(names, include_singleton_axes=True)
         assert mesh is not None
+        shard = tuple(a for a in ("dp_shard", "cp") if a in names)
         return FsdpSpec(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(
-            shard="dp_shard" if "dp_shard" in names else None,
+            shard=shard if len(shard) > 1 else (shard[0] if shard else None),
             replicate="dp_replicate" if "dp_replicate" in names else None,
         ))
 
@@ -210,7 +221,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
         or vocab shard); FSDP does this itself when it is applied. Once per tensor.
         """
         mesh = self.forward_mesh
-        if (self.parallel_dims.dp_enabled or not active(mesh, "tp") or not param.requires_grad
+        if (self.parallel_dims.dp_cp_enabled or not active(mesh, "tp") or not param.requires_grad
                 or getattr(param, _TP_GRAD_HOOKED, False)):
             return
         assert mesh is not None

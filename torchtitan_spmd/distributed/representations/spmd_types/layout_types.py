@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ...layout import SpmdLayout
 from .mesh_context import active, axis_names, group
 
-__all__ = ["annotate", "axis_kind", "distribute_tensor", "layout_type", "state_type"]
+__all__ = ["annotate", "axis_kind", "distribute_tensor", "layout_type", "state_type", "with_batch_axis"]
 
 
 def axis_kind(layout: SpmdLayout, axis: str) -> Any:
@@ -63,6 +63,22 @@ def layout_type(
             entries.append(None if not live else live[0] if len(live) == 1 else live)
         spec = st.PartitionSpec(*entries)
     return types, spec
+
+
+def with_batch_axis(layout: SpmdLayout, axis: str = "dp") -> SpmdLayout:
+    """``layout`` with the batch (dim 0) sharded on ``axis`` too, outermost.
+
+    ``S(0)`` on ``axis``, or, for a layout with a partition spec, ``axis`` put first in
+    the spec's dim-0 entry (typed ``V``).
+    """
+    if layout.partition_spec is None:
+        return layout.with_types(**{axis: S(0)})
+    spec = list(layout.partition_spec)
+    first = spec[0] if spec else None
+    rest = (first,) if isinstance(first, str) else (first or ())
+    head = (axis, *rest)
+    spec[0:1] = [head if len(head) > 1 else axis]
+    return SpmdLayout({**layout.axis_types, axis: V}, partition_spec=tuple(spec))
 
 
 def state_type(layout: SpmdLayout, mesh: DeviceMesh) -> tuple[dict[Any, Any], st.PartitionSpec | None]:
