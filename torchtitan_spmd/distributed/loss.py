@@ -11,10 +11,16 @@ Written once for every representation, on local shards:
   mean is their *sum* over the data-parallel ranks, and FSDP sums (never
   averages) gradients;
 - :func:`global_loss_value` is that sum, the same float on every rank.
+
+Under gradient accumulation the denominator is the count over the whole global
+batch (every microbatch of every data-parallel rank, :func:`global_token_count`),
+passed in as ``token_count``: the microbatch losses then add up to the global mean,
+and so do their gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "cross_entropy_loss",
     "global_loss_value",
+    "global_token_count",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -60,8 +67,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             logits.new_tensor([float(v_local)]),
         ])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        row_max, chunk = packed[:n], int(packed[n].item())
-        start = rank * chunk
+        # The chunk size stays a tensor (no host sync, nothing for torch.compile to break on).
+        row_max, start = packed[:n], (packed[n] * rank).to(labels.dtype)
         shifted = logits - row_max.unsqueeze(1)
         exp = shifted.exp()
         in_range = (labels >= start) & (labels < start + v_local)
@@ -117,12 +124,22 @@ def _vocab_group(representation: TensorRepresentation, logits_layout: SpmdLayout
     return None
 
 
+def global_token_count(labels: Sequence[torch.Tensor], representation: TensorRepresentation) -> torch.Tensor:
+    """The number of non-ignored labels in ``labels`` (this rank's microbatches) over every
+    data-parallel rank: the denominator of the global mean loss (float32, equal on every rank)."""
+    local = sum((representation.to_local(x) != IGNORE_INDEX).to(torch.float32).sum() for x in labels)
+    return representation.sum_over_batch(torch.as_tensor(local, dtype=torch.float32))
+
+
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representation: TensorRepresentation,
-                       *, logits_layout: SpmdLayout | None) -> torch.Tensor:
+                       *, logits_layout: SpmdLayout | None,
+                       token_count: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the global mean cross-entropy (see the module docstring).
 
     ``logits_layout``: the plan's output layout
-    (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`).
+    (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`);
+    ``token_count``: the global count of non-ignored labels the mean divides by
+    (:func:`global_token_count`), by default that of ``labels`` alone.
     """
     logits, labels = representation.to_local(logits), representation.to_local(labels)
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten(0, 1)
@@ -133,8 +150,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representatio
         per_token = F.cross_entropy(flat_logits.float(), flat_labels, reduction="none",
                                     ignore_index=IGNORE_INDEX)
     total = per_token.sum()
-    count = representation.sum_over_batch((flat_labels != IGNORE_INDEX).to(total.dtype).sum())
-    return total / count
+    if token_count is None:
+        token_count = global_token_count([labels], representation)
+    return total / token_count
 
 
 def global_loss_value(loss: torch.Tensor, representation: TensorRepresentation) -> float:
