@@ -127,8 +127,11 @@ def _vocab_group(representation: TensorRepresentation, logits_layout: SpmdLayout
 def global_token_count(labels: Sequence[torch.Tensor], representation: TensorRepresentation) -> torch.Tensor:
     """The number of non-ignored labels in ``labels`` (this rank's microbatches) over every
     data-parallel rank: the denominator of the global mean loss (float32, equal on every rank)."""
-    local = sum((representation.to_local(x) != IGNORE_INDEX).to(torch.float32).sum() for x in labels)
-    return representation.sum_over_batch(torch.as_tensor(local, dtype=torch.float32))
+    counts = [(representation.to_local(x) != IGNORE_INDEX).to(torch.float32).sum() for x in labels]
+    local = counts[0]
+    for count in counts[1:]:  # tensor + tensor only: the type checker rejects ``0 + P``
+        local = local + count
+    return representation.sum_over_batch(local)
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representation: TensorRepresentation,
