@@ -112,10 +112,11 @@ def _compare(records: Any, ref: Any, tol: float) -> tuple[float, float]:
     return rel_loss, rel_norm
 
 
-def check_activation_checkpointing(backend: str, mode: str) -> tuple[float, float]:
-    """``mode`` changes neither loss nor grad norm (fp32), and the blocks really recompute."""
-    got = run_steps(feature_config(backend, activation_checkpoint__mode=mode), AC_STEPS,
-                    probe="probes:block_calls")
+def check_activation_checkpointing(backend: str, mode: str, *,
+                                   probe: str = "probes:block_calls") -> tuple[float, float]:
+    """``mode`` changes neither loss nor grad norm (fp32), and the blocks really recompute:
+    ``probe`` counts 2 runs of the first block per step (forward and recompute)."""
+    got = run_steps(feature_config(backend, activation_checkpoint__mode=mode), AC_STEPS, probe=probe)
     # Every block runs twice per step: in forward and again in backward (recompute).
     assert got["probe"] == [2] * AC_STEPS, got["probe"]
     return _compare(got["records"], baseline(backend), AC_TOL)
