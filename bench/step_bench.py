@@ -41,7 +41,8 @@ def _config(variant: str, args: argparse.Namespace) -> JobConfig:
         {
             "model": {"name": args.model, "flavor": args.flavor},
             "training": {"steps": args.steps, "local_batch_size": args.local_batch_size,
-                         "seq_len": args.seq_len, "device": "cpu"},
+                         "seq_len": args.seq_len, "device": "cpu", "mixed_precision_param": "float32"},
+            "activation_checkpoint": {"mode": "none"},  # fp32, no recompute: bench/feature_bench.py has those
             "parallelism": {"data_parallel_shard_degree": args.dp_shard,
                             "tensor_parallel_degree": args.tp, "spmd_backend": backend},
             "debug": {"seed": 0, "spmd_typechecking": extra == "typecheck"},

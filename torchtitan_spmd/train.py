@@ -13,6 +13,7 @@ per step::
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -29,25 +30,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.config import ConfigManager, JobConfig, check_supported
+from torchtitan_spmd.config import (
+    TORCH_DTYPE_MAP,
+    ConfigManager,
+    JobConfig,
+    OptimizerConfig,
+    check_supported,
+)
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.distributed import comm
+from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.checkpoint import CheckpointManager
+from torchtitan_spmd.distributed.compile import apply_compile, maybe_compile_loss, validate_compile
 from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
-from torchtitan_spmd.distributed.fsdp import apply_fsdp
+from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
-from torchtitan_spmd.distributed.loss import cross_entropy_loss, global_loss_value
+from torchtitan_spmd.distributed.loss import (
+    cross_entropy_loss,
+    global_loss_value,
+    global_token_count,
+)
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
 from torchtitan_spmd.distributed.representation import get_representation
-from torchtitan_spmd.distributed.utils import get_train_context, spmd_backend_scope
+from torchtitan_spmd.distributed.utils import (
+    get_train_context,
+    maybe_enable_amp,
+    spmd_backend_scope,
+)
 from torchtitan_spmd.models import get_model_spec
 
 logger = logging.getLogger("torchtitan_spmd")
 
-__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "main"]
+__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "build_optimizer", "gradient_accumulation_steps", "main"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,37 @@ def build_lr_lambda(warmup_steps: int, total_steps: int, min_lr_factor: float): 
         return min_lr_factor + (1 - min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters with ``optimizer.implementation`` (upstream's names).
+
+    ``"for-loop"``: one parameter at a time; ``"foreach"``: torch's multi-tensor kernels;
+    ``"fused"``: one fused kernel (CPU and CUDA). The state is float32 (the parameters'
+    dtype, whatever ``training.mixed_precision_param``).
+    """
+    impl = config.implementation
+    return torch.optim.AdamW(
+        model.parameters(), lr=config.lr, eps=config.eps, weight_decay=config.weight_decay,
+        betas=(0.9, 0.95), foreach=impl == "foreach", fused=impl == "fused",
+    )
+
+
+def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
+    """Microbatches per step: ``global_batch_size / (local_batch_size * dp_degree)`` (-1: 1).
+
+    Raises ``ValueError`` naming the fields when that is not a positive whole number.
+    """
+    per_microbatch = local_batch_size * dp_degree
+    if global_batch_size < 0:
+        return 1
+    if global_batch_size < per_microbatch or global_batch_size % per_microbatch:
+        raise ValueError(
+            f"training.global_batch_size={global_batch_size} must be a positive multiple of "
+            f"training.local_batch_size={local_batch_size} x the data-parallel degree {dp_degree} "
+            f"(= {per_microbatch}); the multiple is the number of gradient-accumulation microbatches."
+        )
+    return global_batch_size // per_microbatch
 
 
 def _device_type(job_config: JobConfig) -> str:
@@ -161,6 +209,13 @@ class Trainer:
         self.representation.validate(job_config)
         self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
         self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
+        validate_compile(job_config, self.representation)
+        training = job_config.training
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        dp_degree = batch_mesh.size() if batch_mesh is not None else 1
+        self.gradient_accumulation_steps = gradient_accumulation_steps(
+            training.global_batch_size, training.local_batch_size, dp_degree)
 
         self.seed = job_config.debug.seed if job_config.debug.seed is not None else 0
         torch.manual_seed(self.seed)
@@ -173,25 +228,23 @@ class Trainer:
         with spmd_backend_scope(par.spmd_backend):
             self.model: nn.Module = self.build_model()
 
-        opt = job_config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay,
-            betas=(0.9, 0.95), foreach=False,
-        )
+        self.optimizer = build_optimizer(self.model, job_config.optimizer)
+        self.loss_fn = maybe_compile_loss(cross_entropy_loss, job_config.compile)
+        self.amp = functools.partial(maybe_enable_amp, self.parallel_dims,
+                                     training.mixed_precision_param, self.device_type)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             build_lr_lambda(job_config.lr_scheduler.warmup_steps, job_config.training.steps,
                             job_config.lr_scheduler.min_lr_factor),
         )
-        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
-        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
-        dp_degree = batch_mesh.size() if batch_mesh is not None else 1
-        training = job_config.training
-        # The data depends only on the seed and the position (not on training.steps), and
-        # the global batch is rank-major, so every layout sees the same data.
+        # Each step reads this rank's rows of the global batch at once; the step splits
+        # them into its microbatches of local_batch_size. The data depends only on the seed
+        # and the position (not on training.steps), and the global batch is rank-major, so
+        # every layout sees the same data.
+        rows = training.local_batch_size * self.gradient_accumulation_steps
         self.dataloader = build_dataloader(
             dp_rank=dp_rank, dp_degree=dp_degree,
-            local_batch_size=training.local_batch_size,
+            local_batch_size=rows,
             seq_len=training.seq_len, seed=self.seed,
         )
         self.train_context = get_train_context(
@@ -223,41 +276,62 @@ class Trainer:
         1. context parallelism's attention body (before the plan, so that the plan's
            local region wraps it), then the sharding plan: tensor, sequence, context
            and loss parallelism as it declares;
-        2. (activation checkpointing and 3. ``torch.compile`` go here);
-        4. FSDP2 on what the representation shards;
+        2. activation checkpointing of every block (``activation_checkpoint.mode``);
+        3. ``torch.compile`` of every block (``compile.enable``, ``"model"``);
+        4. FSDP2 on what the representation shards, with the mixed-precision policy;
         5. materialise on the device and initialise, each rank its shards of the
            full, seeded weights (the same whatever the layout).
         """
-        rep = self.representation
+        rep, cfg = self.representation, self.job_config
         with torch.device("meta"):
             model = self.model_spec.build(self.model_config)
         apply_context_parallel(model, self.plan, self.context_parallel)
         self.state_layouts = apply_plan(model, self.plan, rep)
-        apply_fsdp(model, self.plan, rep)
+        apply_ac(model, cfg.activation_checkpoint)
+        if cfg.compile.enable and "model" in cfg.compile.components:
+            apply_compile(model, cfg.compile)
+        apply_fsdp(model, self.plan, rep,
+                   param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
+                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])  # type: ignore[arg-type]
         init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
         return model
 
     def step(self, step: int) -> StepRecord:
-        """Run optimizer step number ``step`` (1-based)."""
+        """Run optimizer step number ``step`` (1-based).
+
+        This rank's rows of the global batch are split into
+        ``gradient_accumulation_steps`` microbatches of ``training.local_batch_size``;
+        each runs forward and backward, its loss divided by the token count of the
+        whole global batch, and FSDP reduces the gradients after the last one only.
+        """
         start = time.perf_counter()
         tokens, labels = next(self.dataloader)
         tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
-        rep = self.representation
-        model_kwargs: dict[str, torch.Tensor] = {}
+        rep, n = self.representation, self.gradient_accumulation_steps
+        positions: list[torch.Tensor | None] = [None] * n
         if self.context_parallel is not None:  # this rank's slice of every sequence, and its positions
-            tokens, labels, positions = self.context_parallel.shard_batch(tokens, labels)
-            model_kwargs["positions"] = prepare_positions(positions, rep)
-        inputs, targets = prepare_inputs(tokens, labels, rep)
+            tokens, labels, cp_positions = self.context_parallel.shard_batch(tokens, labels)
+            positions = [prepare_positions(p, rep) for p in cp_positions.chunk(n)]
+        micro = [prepare_inputs(t, y, rep) for t, y in zip(tokens.chunk(n), labels.chunk(n), strict=True)]
         with self.train_context():
-            logits = self.model(inputs, **model_kwargs)
-            loss = cross_entropy_loss(logits, targets, rep, logits_layout=self.plan.output_layout())
-            loss.backward()
+            token_count = global_token_count([y for _, y in micro], rep)
+        losses = []
+        for i, ((inputs, targets), pos) in enumerate(zip(micro, positions, strict=True)):
+            set_gradient_sync(self.model, i == n - 1)
+            with self.train_context():
+                with self.amp():
+                    logits = self.model(inputs) if pos is None else self.model(inputs, positions=pos)
+                loss = self.loss_fn(logits, targets, rep, logits_layout=self.plan.output_layout(),
+                                    token_count=token_count)
+                del logits
+                loss.backward()
+            losses.append(loss.detach())
         grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = global_loss_value(loss, rep)
+        loss_value = global_loss_value(sum(losses[1:], losses[0]), rep)
         elapsed = time.perf_counter() - start
         return StepRecord(
             step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,

@@ -12,9 +12,11 @@ from fork_helpers import FORK
 from torchtitan_spmd.config import (
     ActivationCheckpointConfig,
     CommConfig,
+    CompileConfig,
     ConfigManager,
     DebugConfig,
     JobConfig,
+    OptimizerConfig,
     ParallelismConfig,
     TrainingConfig,
     check_supported,
@@ -53,21 +55,26 @@ def test_defaults_pass_for_the_library_root_and_a_forks_root() -> None:
     check_supported(ConfigManager().parse_args(FORK))
 
 
-def test_upstream_defaults_that_are_not_implemented_yet_pass() -> None:
+def test_upstream_defaults_pass() -> None:
     cfg = JobConfig()
     assert cfg.training.mixed_precision_param == "bfloat16"
     assert cfg.activation_checkpoint.mode == "selective"
     check_supported(cfg)
 
 
-def test_what_the_runtime_does_is_allowed_explicitly() -> None:
+def test_implemented_training_features_pass() -> None:
     cfg = JobConfig(
-        training=TrainingConfig(mixed_precision_param="float32"),
-        activation_checkpoint=ActivationCheckpointConfig(mode="none"),
+        training=TrainingConfig(mixed_precision_param="float32", global_batch_size=64),
+        activation_checkpoint=ActivationCheckpointConfig(mode="full"),
+        compile=CompileConfig(enable=True, components=["model", "loss"]),
+        optimizer=OptimizerConfig(implementation="foreach"),
         debug=DebugConfig(enable_structured_logging=False, seed=3, deterministic=True),
         parallelism=ParallelismConfig(spmd_backend="spmd_types", disable_loss_parallel=True),
     )
     check_supported(cfg)
+    for mode in ("none", "selective"):
+        check_supported(ActivationCheckpointConfig(mode=mode))
+    check_supported(OptimizerConfig(implementation="for-loop"))
 
 
 @pytest.mark.parametrize("row", UNSUPPORTED, ids=lambda r: f"{r.section.__name__}.{r.field}")
@@ -86,16 +93,16 @@ def test_each_row_rejects_a_non_default_value(row: Unsupported) -> None:
 
 def test_every_problem_is_listed_with_its_path_in_a_forks_root() -> None:
     cfg = ConfigManager().parse_args(
-        [*FORK, "--compile.enable", "--activation_checkpoint.mode", "full", "--comm.mode", "fake_backend"]
+        [*FORK, "--activation_checkpoint.mode", "memory_budget", "--comm.mode", "fake_backend"]
     )
     with pytest.raises(ValueError) as err:
         check_supported(cfg)
     lines = str(err.value).splitlines()
     assert lines[0] == "unsupported config values:"
     assert lines[1:] == [
-        "  activation_checkpoint.mode='full': activation checkpointing is not implemented by "
-        "torchtitan_spmd yet; use 'selective' or 'none'.",
-        "  compile.enable=True: torch.compile is not implemented by torchtitan_spmd yet; use False.",
+        "  activation_checkpoint.mode='memory_budget': memory-budget activation checkpointing (the "
+        "compiler's min-cut recomputation) is not implemented by torchtitan_spmd yet; use 'selective', "
+        "'none' or 'full'.",
         "  comm.mode='fake_backend': communication modes other than 'default' is not implemented by "
         "torchtitan_spmd yet; use 'default'.",
     ]
@@ -115,4 +122,5 @@ def test_table_rows_name_real_fields_of_torchtitans_sections() -> None:
         seen.add((row.section, row.field))
     # spmd_backend, the degrees and the fields the runtime reads are not in the table
     names = {row.field for row in UNSUPPORTED}
-    assert not names & {"spmd_backend", "tensor_parallel_degree", "seed", "steps", "mixed_precision_param"}
+    assert not names & {"spmd_backend", "tensor_parallel_degree", "seed", "steps", "mixed_precision_param",
+                        "global_batch_size", "components"}

@@ -52,10 +52,49 @@ def test_unimplemented_config_values_stop_the_trainer_at_setup() -> None:
     from torchtitan_spmd.train import Trainer
 
     cfg = _cfg("default")
-    cfg.compile.enable = True
-    with pytest.raises(ValueError, match="compile.enable=True: torch.compile is not implemented"):
+    cfg.training.enable_cpu_offload = True
+    with pytest.raises(ValueError, match="training.enable_cpu_offload=True: FSDP CPU offload is not implemented"):
         Trainer(cfg)  # before any process group or model exists
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("fields", "needles"),
+    [
+        ({"training.global_batch_size": 6}, ["training.global_batch_size=6", "local_batch_size=1",
+                                             "data-parallel degree 4", "(= 4)"]),
+        ({"training.global_batch_size": 2}, ["training.global_batch_size=2", "(= 4)"]),
+        ({"compile.enable": True, "compile.components": ["model", "optimizer"]},
+         ["compile.components", "'optimizer'", "'model', 'loss'"]),
+        ({"compile.enable": True, "compile.backend": "inductorx"},
+         ["compile.backend='inductorx'", "inductor"]),
+    ],
+)
+def test_bad_training_feature_values_fail_at_setup(fake_pg: Callable[[int], None], fields: dict,
+                                                   needles: list[str]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)
+    cfg = _cfg("default", data_parallel_shard_degree=4)
+    for key, value in fields.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_an_activation_checkpointing_mode_that_does_not_exist_is_rejected() -> None:
+    from torchtitan_spmd.config import ActivationCheckpointConfig
+    from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
+
+    with pytest.raises(ValueError, match=r"activation_checkpoint\.mode.*'everything'"):
+        JobConfig.from_dict({"activation_checkpoint": {"mode": "everything"}})
+    bad = ActivationCheckpointConfig()
+    object.__setattr__(bad, "mode", "everything")  # past the config's own check
+    with pytest.raises(ValueError, match=r"mode='everything' is not implemented; valid modes: 'none', 'full', 'selective'"):
+        apply_ac(nn.Sequential(), bad)
 
 
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])

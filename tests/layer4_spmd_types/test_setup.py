@@ -139,6 +139,27 @@ def test_default_backend_with_cp_names_both_cp_backends(fake_world: Callable[[in
             "parallelism.spmd_backend='spmd_types', got 'default'") in msg, msg
 
 
+@pytest.mark.parametrize("typechecking", [True, False])
+def test_typechecking_with_compile_is_a_setup_error(fake_world: Callable[[int], None],
+                                                    typechecking: bool) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_world(2)
+    cfg = _cfg(tensor_parallel_degree=2)
+    cfg.debug.spmd_typechecking = typechecking
+    cfg.compile.enable = True
+    cfg.compile.backend = "aot_eager"
+    cfg.training.mixed_precision_param = "float32"
+    cfg.activation_checkpoint.mode = "none"
+    if not typechecking:  # compile alone sets up (the model is built, nothing compiled yet)
+        Trainer(cfg)
+        return
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg)
+    msg = str(err.value)
+    assert "debug.spmd_typechecking=True" in msg and "compile.enable=True" in msg, msg
+
+
 def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int], None],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan_spmd.train import Trainer

@@ -101,6 +101,12 @@ class OptimizerConfig(Section):
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
 
+    implementation: Literal["for-loop", "foreach", "fused", "fused_opt_states_bf16"] = "fused"
+    """How the optimizer updates the parameters (upstream's ``optimizer.implementation``):
+    ``"fused"`` (one fused kernel per step; CPU and CUDA), ``"foreach"`` (multi-tensor
+    kernels) or ``"for-loop"`` (one parameter at a time). ``"fused_opt_states_bf16"``
+    (bf16 moment buffers) is upstream's too."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require_finite("lr", minimum=0, strict=True)

@@ -6,12 +6,6 @@ value is rejected at setup by :func:`check_supported`, with an error naming the
 field, the value and the feature. A later change enables a feature by deleting
 its rows.
 
-Two defaults pass although the runtime does not implement them yet (they are
-torchtitan's defaults, so every fork sets them): ``training.mixed_precision_param
-= "bfloat16"`` (the runtime computes in float32, which ``"float32"`` requests
-explicitly) and ``activation_checkpoint.mode = "selective"`` (the runtime
-recomputes nothing, which ``"none"`` requests explicitly).
-
 The check runs on any root dataclass that embeds these sections (this library's
 ``JobConfig`` or a fork's own), wherever they are attached.
 """
@@ -27,8 +21,8 @@ from .configs import (
     ActivationCheckpointConfig,
     CheckpointConfig,
     CommConfig,
-    CompileConfig,
     DebugConfig,
+    OptimizerConfig,
     ParallelismConfig,
     TrainingConfig,
 )
@@ -66,8 +60,6 @@ def _rows(section: type, feature: str, *fields: str) -> tuple[Unsupported, ...]:
 
 #: The table. Delete a feature's rows to enable it.
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    *_rows(TrainingConfig, "gradient accumulation (a global batch other than "
-           "local_batch_size x data-parallel degree)", "global_batch_size"),
     *_rows(TrainingConfig, "FSDP CPU offload", "enable_cpu_offload"),
     *_rows(TrainingConfig, "full bfloat16 training", "dtype"),
     *_rows(TrainingConfig, "scheduled garbage collection", "gc_freq", "gc_debug"),
@@ -85,10 +77,13 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
            "initial_load_in_hf_quantized", "last_save_in_hf"),
     Unsupported(CheckpointConfig, "async_mode", "asynchronous checkpointing through pinned shared memory "
                 "in a separate process", also_allowed=("async",)),
-    Unsupported(ActivationCheckpointConfig, "mode", "activation checkpointing", also_allowed=("none",)),
-    *_rows(ActivationCheckpointConfig, "activation checkpointing",
-           *(f.name for f in dataclasses.fields(ActivationCheckpointConfig) if f.name != "mode")),
-    *_rows(CompileConfig, "torch.compile", "enable", "components", "backend"),
+    Unsupported(ActivationCheckpointConfig, "mode",
+                "memory-budget activation checkpointing (the compiler's min-cut recomputation)",
+                also_allowed=("none", "full")),
+    *_rows(ActivationCheckpointConfig, "memory-budget activation checkpointing",
+           "memory_budget", "visualize_memory_budget_pareto"),
+    Unsupported(OptimizerConfig, "implementation", "bfloat16 optimizer states",
+                also_allowed=("for-loop", "foreach")),
     *_rows(CommConfig, "communication modes other than 'default'", "mode"),
     *_rows(DebugConfig, "warn-only deterministic mode", "deterministic_warn_only"),
     *_rows(DebugConfig, "MoE load balancing (no MoE model is built in)", "moe_force_load_balance"),
@@ -126,10 +121,11 @@ def check_supported(config: Any) -> None:
             if value == default or value in row.also_allowed:
                 continue
             where = f"{path}.{row.field}" if path else row.field
-            allowed = [default, *row.also_allowed]
+            allowed = [repr(v) for v in (default, *row.also_allowed)]
+            choices = allowed[0] if len(allowed) == 1 else f"{', '.join(allowed[:-1])} or {allowed[-1]}"
             problems.append(
                 f"{where}={value!r}: {row.feature} is not implemented by torchtitan_spmd yet; "
-                f"use {' or '.join(map(repr, allowed))}."
+                f"use {choices}."
             )
     if problems:
         raise ValueError("unsupported config values:\n  " + "\n  ".join(problems))

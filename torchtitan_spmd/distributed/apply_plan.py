@@ -27,7 +27,31 @@ from torch import nn
 from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
 from .representation import StateLayout, TensorRepresentation
 
-__all__ = ["apply_plan", "state_layouts"]
+__all__ = ["apply_plan", "resolve_state", "state_layouts"]
+
+#: The attribute through which torch's ``checkpoint_wrapper`` holds the wrapped block.
+_WRAPPED = "_checkpoint_wrapped_module"
+
+
+def resolve_state(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """``(module, tensor name)`` of the parameter or buffer ``fqn`` as :func:`state_layouts` names it.
+
+    Names are those of the model before activation checkpointing: a wrapper that
+    ``checkpoint_wrapper`` put in between (``layers.0._checkpoint_wrapped_module.``)
+    is looked through.
+    """
+    *path, name = fqn.split(".")
+    module = model
+    for part in path:
+        while part not in module._modules and _WRAPPED in module._modules:
+            module = module._modules[_WRAPPED]  # type: ignore[assignment]
+        child = module._modules.get(part)
+        if child is None:
+            raise KeyError(f"{type(model).__name__} has no submodule for state {fqn!r}.")
+        module = child
+    while name not in module._parameters and name not in module._buffers and _WRAPPED in module._modules:
+        module = module._modules[_WRAPPED]  # type: ignore[assignment]
+    return module, name
 
 
 def state_layouts(model: nn.Module, plan: ShardingPlan) -> dict[str, StateLayout]:

@@ -5,6 +5,15 @@ Gradients are summed across the data-parallel ranks, never averaged: the loss
 technique makes every rank's loss its share of the global mean (upstream also
 disables FSDP's gradient division and scales by the global token count). Gloo has
 no ``PREMUL_SUM``, so reductions are forced to plain sums.
+
+Mixed precision is FSDP2's ``MixedPrecisionPolicy`` (``training.mixed_precision_param``
+/ ``mixed_precision_reduce``), under every representation: parameters are gathered
+in the compute dtype, gradients reduced in the reduce dtype, and the sharded
+parameters, their gradients and the optimizer state stay float32. Without data
+parallelism there is no FSDP; the trainer then computes in the same dtype under
+``torch.autocast`` (:func:`~torchtitan_spmd.distributed.utils.maybe_enable_amp`).
+Under gradient accumulation :func:`set_gradient_sync` turns the reduction off for
+all but the last microbatch.
 """
 
 from __future__ import annotations
@@ -13,13 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .plan import ShardingPlan
 from .representation import TensorRepresentation
 
-__all__ = ["apply_fsdp", "clear_dtensor_sharding_caches"]
+__all__ = ["apply_fsdp", "clear_dtensor_sharding_caches", "set_gradient_sync"]
 
 
 def clear_dtensor_sharding_caches() -> None:
@@ -35,12 +44,20 @@ def clear_dtensor_sharding_caches() -> None:
         clear_native()
 
 
-def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation) -> nn.Module:
-    """Shard ``model``'s parameters with FSDP2 per ``representation.fsdp_spec()``; no-op without DP."""
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation, *,
+               param_dtype: torch.dtype = torch.float32,
+               reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Shard ``model``'s parameters with FSDP2 per ``representation.fsdp_spec()``; no-op without DP.
+
+    ``param_dtype``/``reduce_dtype``: the ``MixedPrecisionPolicy`` (forward inputs are
+    not cast, as upstream: the model casts what it needs).
+    """
     spec = representation.fsdp_spec()
     if spec is None:
         return model
-    kwargs: dict[str, Any] = {"mesh": spec.mesh}
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                     cast_forward_inputs=False)
+    kwargs: dict[str, Any] = {"mesh": spec.mesh, "mp_policy": mp_policy}
     if spec.dp_mesh_dims is not None:
         clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
         kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
@@ -51,3 +68,14 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients across the data-parallel ranks.
+
+    Off for every microbatch but the last of a step: FSDP then accumulates the
+    unsharded gradients locally (in the reduce dtype) and reduces them once. No-op
+    without FSDP.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

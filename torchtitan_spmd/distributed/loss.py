@@ -11,10 +11,16 @@ Written once for every representation, on local shards:
   mean is their *sum* over the data-parallel ranks, and FSDP sums (never
   averages) gradients;
 - :func:`global_loss_value` is that sum, the same float on every rank.
+
+Under gradient accumulation the denominator is the count over the whole global
+batch (every microbatch of every data-parallel rank, :func:`global_token_count`),
+passed in as ``token_count``: the microbatch losses then add up to the global mean,
+and so do their gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ __all__ = [
     "cross_entropy_loss",
     "cross_entropy_per_token",
     "global_loss_value",
+    "global_token_count",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -61,8 +68,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             logits.new_tensor([float(v_local)]),
         ])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        row_max, chunk = packed[:n], int(packed[n].item())
-        start = rank * chunk
+        # The chunk size stays a tensor (no host sync, nothing for torch.compile to break on).
+        row_max, start = packed[:n], (packed[n] * rank).to(labels.dtype)
         shifted = logits - row_max.unsqueeze(1)
         exp = shifted.exp()
         in_range = (labels >= start) & (labels < start + v_local)
@@ -118,12 +125,25 @@ def _vocab_group(representation: TensorRepresentation, logits_layout: SpmdLayout
     return None
 
 
+def global_token_count(labels: Sequence[torch.Tensor], representation: TensorRepresentation) -> torch.Tensor:
+    """The number of non-ignored labels in ``labels`` (this rank's microbatches) over every
+    data-parallel rank: the denominator of the global mean loss (float32, equal on every rank)."""
+    counts = [(representation.to_local(x) != IGNORE_INDEX).to(torch.float32).sum() for x in labels]
+    local = counts[0]
+    for count in counts[1:]:  # tensor + tensor only: the type checker rejects ``0 + P``
+        local = local + count
+    return representation.sum_over_batch(local)
+
+
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representation: TensorRepresentation,
-                       *, logits_layout: SpmdLayout | None) -> torch.Tensor:
+                       *, logits_layout: SpmdLayout | None,
+                       token_count: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the global mean cross-entropy (see the module docstring).
 
     ``logits_layout``: the plan's output layout
-    (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`).
+    (:meth:`~torchtitan_spmd.distributed.plan.ShardingPlan.output_layout`);
+    ``token_count``: the global count of non-ignored labels the mean divides by
+    (:func:`global_token_count`), by default that of ``labels`` alone.
     """
     logits, labels = representation.to_local(logits), representation.to_local(labels)
     # Per token over [batch, seq], never flattened: under context parallelism both dims
@@ -134,8 +154,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, representatio
     else:
         per_token = cross_entropy_per_token(logits, labels)
     total = per_token.sum()
-    count = representation.sum_over_batch((labels != IGNORE_INDEX).to(total.dtype).sum())
-    return total / count
+    if token_count is None:
+        token_count = global_token_count([labels], representation)
+    return total / token_count
 
 
 def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, *,

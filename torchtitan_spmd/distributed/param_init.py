@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .apply_plan import resolve_state
 from .representation import StateLayout, TensorRepresentation
 
 __all__ = ["InitializableModel", "init_weights"]
@@ -31,8 +32,7 @@ class InitializableModel(Protocol):
 
 
 def _state(model: nn.Module, fqn: str) -> torch.Tensor:
-    module_name, _, name = fqn.rpartition(".")
-    module = model.get_submodule(module_name)
+    module, name = resolve_state(model, fqn)
     return module._parameters[name] if name in module._parameters else module._buffers[name]  # type: ignore[return-value]
 
 

@@ -2,6 +2,8 @@
 
 - :func:`get_train_context` takes the backend from ``parallel_dims.spmd_backend``
   (as upstream does), so it always agrees with the trainer that owns those dims;
+- :func:`maybe_enable_amp` is the compute dtype of a model FSDP does not wrap
+  (``torch.autocast``); FSDP's ``MixedPrecisionPolicy`` sets it otherwise;
 - :func:`get_spmd_backend` answers, inside a trainer's setup or train context,
   that trainer's backend (a context-local scope, see :func:`spmd_backend_scope`);
   elsewhere the process default that :func:`set_spmd_backend` sets. The trainer
@@ -14,14 +16,14 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .representation import get_representation
 
 if TYPE_CHECKING:
     from .parallel_dims import ParallelDims
 
-__all__ = ["get_spmd_backend", "get_train_context", "set_spmd_backend", "spmd_backend_scope"]
+__all__ = ["get_spmd_backend", "get_train_context", "maybe_enable_amp", "set_spmd_backend", "spmd_backend_scope"]
 
 _process_default = "default"
 _scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("torchtitan_spmd_backend", default=None)
@@ -86,3 +88,28 @@ def get_train_context(
             yield
 
     return context
+
+
+def maybe_enable_amp(parallel_dims: ParallelDims, mixed_precision_param: str,
+                     device_type: str) -> AbstractContextManager[Any]:
+    """The context the model's forward runs in for ``training.mixed_precision_param``.
+
+    With data parallelism FSDP2's ``MixedPrecisionPolicy`` gathers the parameters in
+    that dtype (:mod:`torchtitan_spmd.distributed.fsdp`), so nothing is needed here.
+    Without it (one rank, or tensor parallelism only) the forward runs under
+    ``torch.autocast(device_type, dtype)``: matmuls compute in that dtype, parameters,
+    gradients and optimizer state stay float32. ``"float32"``: no context.
+    """
+    if mixed_precision_param == "float32" or parallel_dims.dp_enabled:
+        return contextlib.nullcontext()
+    import torch
+
+    from torchtitan_spmd.config import TORCH_DTYPE_MAP
+
+    dtype = TORCH_DTYPE_MAP.get(mixed_precision_param)
+    if dtype is None:
+        raise ValueError(
+            f"training.mixed_precision_param={mixed_precision_param!r}; valid choices are "
+            f"{', '.join(map(repr, TORCH_DTYPE_MAP))}."
+        )
+    return torch.autocast(device_type=device_type, dtype=dtype)  # type: ignore[arg-type]

@@ -131,7 +131,10 @@ def cpu_job_config(name: str, flavor: str, *, local_batch_size: int, seq_len: in
     """A ``JobConfig`` for family ``name``, flavour ``flavor``, sized to train on a few CPU cores.
 
     What the families' ``config_registry`` functions return; every other field keeps
-    its default, and command-line overrides apply on top.
+    its default (selective activation checkpointing, as upstream's debug model), and
+    command-line overrides apply on top. Parameters compute in float32
+    (``training.mixed_precision_param``): CPUs without native bf16 (AVX2) emulate bf16
+    matmuls, measured 6.7x slower for torchtitan's own debug model (13.6 vs 2.03 s/step).
     """
     from torchtitan_spmd.config import JobConfig
 
@@ -141,6 +144,7 @@ def cpu_job_config(name: str, flavor: str, *, local_batch_size: int, seq_len: in
     config.training.local_batch_size = local_batch_size
     config.training.seq_len = seq_len
     config.training.steps = steps
+    config.training.mixed_precision_param = "float32"
     config.optimizer.lr = lr
     config.lr_scheduler.warmup_steps = warmup_steps
     return config

@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ...apply_plan import resolve_state
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
@@ -218,7 +219,9 @@ class SpmdTypesRepresentation(TensorRepresentation):
         """Without FSDP: sum, over ``tp``, the gradient of a parameter replicated on ``tp``.
 
         Its gradient is ``P@tp`` (each TP rank holds the contribution of its sequence
-        or vocab shard); FSDP does this itself when it is applied. Once per tensor.
+        or vocab shard); FSDP does this itself when it is applied. Once per tensor. Each
+        backward's contribution is reduced before it is accumulated into ``.grad``, so
+        gradient accumulation over microbatches sums each contribution once.
         """
         mesh = self.forward_mesh
         if (self.parallel_dims.dp_cp_enabled or not active(mesh, "tp") or not param.requires_grad
@@ -229,11 +232,12 @@ class SpmdTypesRepresentation(TensorRepresentation):
         if st.get_local_type(param).get(st.MeshAxis.of(tp), R) is not R:
             return
 
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=tp)
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=tp)
+            return grad
 
-        param.register_post_accumulate_grad_hook(hook)
+        param.register_hook(hook)
         setattr(param, _TP_GRAD_HOOKED, True)
 
     # ------------------------------------------------------------------ state
@@ -253,8 +257,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
             return 0
         count = 0
         for fqn, state in states.items():
-            module_name, _, name = fqn.rpartition(".")
-            module = model.get_submodule(module_name)
+            module, name = resolve_state(model, fqn)
             t = module._parameters[name] if name in module._parameters else module._buffers.get(name)
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 continue

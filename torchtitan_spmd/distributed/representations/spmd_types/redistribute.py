@@ -148,13 +148,54 @@ def redistribute_per_axis(
     """Redistribute local tensor ``x`` from ``src`` to ``dst``: one collective per changed axis.
 
     ``src``/``dst`` are :class:`SpmdLayout` s or ``{axis name: R|I|P|S(d)}`` mappings.
-    Axes of size 1 or missing from ``mesh`` are skipped.
+    Axes of size 1 or missing from ``mesh`` are skipped. A bf16/fp16 ``x`` reduces its
+    gradient in its own dtype.
     """
     if mesh is None:
         return x
     src_l = src if isinstance(src, SpmdLayout) else SpmdLayout(dict(src))
     dst_l = dst if isinstance(dst, SpmdLayout) else SpmdLayout(dict(dst))
     live = [a for a in axis_names(mesh) if active(mesh, a)]
+    compiling = torch.compiler.is_compiling()
     for step in _plan_steps(src_l, dst_l, live, "redistribute_per_axis"):
-        x = st.redistribute(x, group(mesh, step.axis), src=step.src, dst=step.dst)
+        pg = group(mesh, step.axis)
+        if compiling:
+            x = _traced_redistribute(x, pg.group_name, _encode(step.src), _encode(step.dst))
+        else:
+            x = st.redistribute(x, pg, src=step.src, dst=step.dst, backward_options=_backward_options(x))
     return x
+
+
+def _backward_options(x: torch.Tensor) -> dict[str, Any] | None:
+    """Reduced-precision activations (mixed precision) reduce their gradients in their own
+    dtype, as DTensor does and upstream passes; spmd_types asks for it explicitly."""
+    if x.is_floating_point() and x.element_size() < 4:
+        return {"op_dtype": x.dtype}
+    return None
+
+
+def _encode(typ: Any) -> str:
+    """``R``, ``I``, ``P`` or ``S(d)`` as a string (what Dynamo passes into a non-strict call)."""
+    return f"S({typ.dim})" if isinstance(typ, Shard) else repr(typ)
+
+
+def _decode(text: str) -> Any:
+    return {"R": st.R, "I": st.I, "P": st.P}.get(text) or st.S(int(text[2:-1]))
+
+
+def _redistribute_by_name(x: torch.Tensor, group_name: str, src: str, dst: str) -> torch.Tensor:
+    """One ``spmd_types.redistribute`` step, its arguments as strings.
+
+    Under ``torch.compile`` the plan's collectives go through here, marked
+    ``nonstrict_trace``: Dynamo does not step into spmd_types' Python (it reads
+    ``grad_fn``, which Dynamo cannot trace); AOT autograd traces the collective and
+    its backward into the block's graph instead. No types are asserted there: type
+    checking and compile are exclusive.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return st.redistribute(x, _resolve_process_group(group_name), src=_decode(src), dst=_decode(dst),
+                           backward_options=_backward_options(x))
+
+
+_traced_redistribute = torch._dynamo.nonstrict_trace(_redistribute_by_name)
