@@ -27,10 +27,17 @@ from torch import nn
 from .plan import ModulePlan, Redistribute, ShardingPlan, boundary_dst, boundary_src
 from .representation import StateLayout, TensorRepresentation
 
-__all__ = ["apply_plan", "resolve_state", "state_layouts"]
+__all__ = ["apply_plan", "plain_fqn", "resolve_state", "state_layouts"]
 
 #: The attribute through which torch's ``checkpoint_wrapper`` holds the wrapped block.
 _WRAPPED = "_checkpoint_wrapped_module"
+
+
+def plain_fqn(name: str) -> str:
+    """``name`` (from ``model.named_parameters()``) as :func:`state_layouts` and torch's
+    state-dict helpers name it: without the ``_checkpoint_wrapped_module.`` parts that
+    activation checkpointing put in."""
+    return ".".join(part for part in name.split(".") if part != _WRAPPED)
 
 
 def resolve_state(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .apply_plan import plain_fqn
 from .representation import StateLayout, TensorRepresentation
 
 if TYPE_CHECKING:
@@ -238,12 +239,18 @@ class _OptimizerState:
         self.options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def state_dict(self) -> dict[str, Any]:
-        params = dict(self.model.named_parameters())
+        # By the names torch's state-dict helpers use (activation checkpointing's wrapper
+        # looked through): a state whose parameter is not found would be laid out as if it
+        # were the parameter itself (Adam's scalar step as a sharded tensor).
+        params = {plain_fqn(name): p for name, p in self.model.named_parameters()}
         out = {}
         for key, value in get_optimizer_state_dict(self.model, self.optimizer, options=self.options).items():
             where = _fqn_of_optimizer_key(key)
+            if where is not None and where[0] not in params:
+                raise RuntimeError(f"checkpoint: optimizer state {key!r} names no parameter of the model "
+                                   f"(parameters: {', '.join(sorted(params)[:3])}, ...).")
             out[key] = value if where is None else self.views.wrap(
-                f"{OPTIMIZER}.{key}", value, where[0], params.get(where[0]))
+                f"{OPTIMIZER}.{key}", value, where[0], params[where[0]])
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
