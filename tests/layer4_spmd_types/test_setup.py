@@ -422,7 +422,9 @@ def test_one_collective_per_changed_axis(fake_world: Callable[[int], None], monk
     mesh = _rep(pd).forward_mesh
     calls: list[tuple[str, Any, Any]] = []
 
-    def fake_redistribute(x: torch.Tensor, group: Any, *, src: Any, dst: Any) -> torch.Tensor:
+    def fake_redistribute(x: torch.Tensor, group: Any, *, src: Any, dst: Any,
+                          backward_options: Any = None) -> torch.Tensor:
+        assert backward_options is None  # float32: no reduced-precision gradient reduction
         name = next(n for n in ("dp", "tp") if mesh.get_group(n) is group)
         calls.append((name, src, dst))
         return x
