@@ -12,7 +12,7 @@ import math
 import sys
 
 import pytest
-from spmd_helpers import LOCAL_BATCH, SEQ_LEN, warm_parent
+from spmd_helpers import LOCAL_BATCH, SEQ_LEN, torch_at_least, warm_parent
 
 from torchtitan_spmd import parity, reference
 
@@ -190,6 +190,8 @@ def test_three_backends_agree_end_to_end(tmp_path, capsys) -> None:  # noqa: ANN
         "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
         "--debug.seed", "1234", "--debug.deterministic", "--debug.spmd_typechecking",
         "--plot", str(path), "--tol", "1e-5",
+        # torch 2.11 cannot type-check through activation checkpointing (a setup error, tested)
+        *([] if torch_at_least("2.13") else ["--activation_checkpoint.mode", "none"]),
     ])
     out = capsys.readouterr().out
     assert rc == 0, out

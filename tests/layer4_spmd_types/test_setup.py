@@ -172,6 +172,29 @@ def test_old_torch_with_data_parallel_fails_at_setup(fake_world: Callable[[int],
     assert "torch >= 2.14" in msg and "torch 2.13" in msg and "dp_shard=2" in msg, msg
 
 
+@pytest.mark.parametrize(("version", "mode", "fails"), [
+    ("2.11.0+cu130", "selective", True), ("2.11.0+cu130", "full", True), ("2.11.0+cu130", "none", False),
+    ("2.13.0+cpu", "selective", False),
+])
+def test_typechecking_through_activation_checkpointing_needs_torch_2_13(
+        fake_world: Callable[[int], None], monkeypatch: pytest.MonkeyPatch, version: str, mode: str,
+        fails: bool) -> None:
+    """Measured on torch 2.11: the checker rejects torch.utils.checkpoint's _NoopSaveInputs."""
+    fake_world(2)
+    cfg = _cfg(tensor_parallel_degree=2)
+    cfg.debug.spmd_typechecking = True
+    cfg.activation_checkpoint.mode = mode
+    monkeypatch.setattr(torch, "__version__", version)
+    if not fails:
+        _rep(_dims(2, tp=2)).validate(cfg)
+        return
+    with pytest.raises(ValueError) as err:
+        _rep(_dims(2, tp=2)).validate(cfg)
+    msg = str(err.value)
+    assert (f"activation_checkpoint.mode={mode!r}" in msg and "debug.spmd_typechecking=True" in msg
+            and "torch >= 2.13" in msg and "torch 2.11" in msg), msg
+
+
 @pytest.mark.parametrize(
     "version", ["2.14.1+cu130", "2.14.0a0+git1234", "2.14.0.dev20260601", "2.15.0a0+git1234", "3.0.0"])
 def test_new_enough_torch_with_data_parallel_is_fine(fake_world: Callable[[int], None],

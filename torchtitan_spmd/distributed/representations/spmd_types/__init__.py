@@ -73,10 +73,12 @@ if not hasattr(st, "assert_type"):  # pragma: no cover - a packaging error
         "spmd_types library; do not run it with its own directory on sys.path."
     )
 
-__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "SpmdTypesRepresentation"]
+__all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "TYPECHECK_AC_MIN_TORCH", "SpmdTypesRepresentation"]
 
 #: FSDP2 learned to shard spmd_types-annotated plain tensors in this torch release.
 FSDP_MIN_TORCH = "2.14"
+#: Type checking through activation checkpointing (torch 2.11's checkpoint is not checkable).
+TYPECHECK_AC_MIN_TORCH = "2.13"
 
 _DP = "dp"
 #: Marks a parameter whose gradient hook is installed (hooks belong to the tensor object).
@@ -108,6 +110,16 @@ class SpmdTypesRepresentation(TensorRepresentation):
     def validate(self, job_config: JobConfig) -> None:
         super().validate(job_config)
         self._check_fsdp_support()
+        mode = job_config.activation_checkpoint.mode
+        if job_config.debug.spmd_typechecking and mode != "none":
+            # Measured: on torch 2.11 the checker stops at torch.utils.checkpoint's
+            # _NoopSaveInputs ("tensor argument 'args' was not accounted for"); 2.13 and 2.14 pass.
+            self.require_torch(
+                TYPECHECK_AC_MIN_TORCH,
+                f"debug.spmd_typechecking=True with activation_checkpoint.mode={mode!r}",
+                "its activation checkpointing applies an autograd Function the type checker rejects",
+                "Set activation_checkpoint.mode='none' for the type-checked run, or upgrade torch.",
+            )
 
     def _check_fsdp_support(self) -> None:
         self.require_torch_for_data_parallel(
