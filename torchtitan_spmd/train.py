@@ -205,9 +205,10 @@ class Trainer:
         comm.set_pg_timeouts(timedelta(seconds=comm_cfg.init_timeout_seconds), self.parallel_dims,
                              barrier=False)
         self._train_timeout_set = False
+        # The context-parallel fields first: a bad value is named whatever the torch.
+        self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
         self.representation = representation_cls(self.parallel_dims)
         self.representation.validate(job_config)
-        self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
         self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
         validate_compile(job_config, self.representation)
         training = job_config.training
