@@ -62,7 +62,6 @@ def _rows(section: type, feature: str, *fields: str) -> tuple[Unsupported, ...]:
 UNSUPPORTED: tuple[Unsupported, ...] = (
     *_rows(TrainingConfig, "FSDP CPU offload", "enable_cpu_offload"),
     *_rows(TrainingConfig, "full bfloat16 training", "dtype"),
-    *_rows(TrainingConfig, "scheduled garbage collection", "gc_freq", "gc_debug"),
     *_rows(ParallelismConfig, "FSDP reshard-after-forward policies", "fsdp_reshard_after_forward"),
     *_rows(ParallelismConfig, "FSDP symmetric-memory communication", "enable_fsdp_symm_mem"),
     *_rows(ParallelismConfig, "async tensor parallelism", "enable_async_tensor_parallel"),

@@ -82,5 +82,26 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
             p.grad = _without_partial(p.grad)
     total = global_grad_norm(params, representation)
     if params and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        _scale_local_grads(params, max_norm, total)
     return float(total)
+
+
+def _scale_local_grads(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Multiply every gradient by ``min(1, max_norm / (total + 1e-6))``, in place, on its local shard.
+
+    The same arithmetic as ``torch.nn.utils.clip_grads_with_norm_`` (a float32
+    coefficient clamped at 1, one ``_foreach_mul_`` per device and dtype), but on
+    the local tensors: a DTensor gradient's ``to_local()`` shares its storage, and
+    scaling a shard needs no sharding propagation. Through DTensor the same call
+    re-propagated the sharding of every gradient's ``mul_`` each step (about 4% of a
+    CPU step under FSDP 2 x TP 2).
+    """
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        assert g is not None
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device))

@@ -1,0 +1,167 @@
+"""Step time of this project's trainer beside upstream torchtitan 0.3.0, on the same job.
+
+    bash ../shared/peer-torchtitan/side_by_side.sh setup      # once: torchtitan 0.3.0 in ~/.cache/peer-tt
+    python bench/torchtitan_compare.py                         # 2 pairs, FSDP 2 x TP 2
+    python bench/torchtitan_compare.py --pairs 3 --configs 2x2 fsdp2
+    python bench/torchtitan_compare.py --ours before=/tmp/before --ours after=.
+
+The job (both sides): 4 gloo ranks (for ``2x2``), ``llama3`` ``debugmodel``, local
+batch 4 x seq 256, fp32 parameters, no activation checkpointing, ``--debug.seed 42
+--debug.deterministic``, ``OMP_NUM_THREADS=1``, 10 steps. torchtitan runs through
+the CPU shim in ``../shared/peer-torchtitan`` (``tt_cpu_launch.py``: torchtitan has
+no CPU device path; it is used from there, not copied) with
+``--training.mixed_precision_param float32`` and ``activation_checkpoint:none``.
+
+Timing is the same for both: every rank-0 output line is timestamped when it
+reaches this process; a run's figure is the median gap between consecutive
+``step:`` lines over steps 3..N (the first two steps warm caches up). Runs
+alternate (ours default, torchtitan partial_dtensor, ours full_dtensor,
+torchtitan full_dtensor, ours spmd_types, then the next pair), so machine noise
+hits all alike. The table gives, per variant, the median over pairs and the ratio
+to torchtitan's faster backend on that config (the issue-15 goal is <= 0.85).
+
+``--ours NAME=PATH`` (repeatable) runs the trainer of another checkout (its
+``torchtitan_spmd`` first on ``PYTHONPATH``) under this interpreter, e.g. the
+revision before a change; default: this checkout, named ``ours``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+CONFIGS = {"1p": (1, 1), "fsdp2": (2, 1), "tp2": (1, 2), "2x2": (2, 2)}
+OURS_BACKENDS = ("default", "full_dtensor", "spmd_types")
+TITAN_BACKENDS = ("partial_dtensor", "full_dtensor")
+_STEP = re.compile(r"step:\s*(\d+)\s+loss")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> list[float]:
+    """Run ``cmd``; return the arrival time of each rank-0 ``step:`` line (all output goes to ``log``)."""
+    stamps: list[float] = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", bufsize=1)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        for line in proc.stdout:
+            now = time.time()
+            out.write(f"{now:.3f} {line}")
+            if _STEP.search(_ANSI.sub("", line)):
+                stamps.append(now)
+            if time.monotonic() > deadline:
+                proc.kill()
+                break
+        rc = proc.wait()
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed (exit {rc}); see {log}")
+    return stamps
+
+
+def _median_step(stamps: list[float], log: Path) -> float:
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # gaps ending at steps 3..N
+    if not gaps:
+        raise SystemExit(f"no step times in {log}")
+    return statistics.median(gaps)
+
+
+def _common(dp: int, tp: int, args: argparse.Namespace) -> list[str]:
+    return ["--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree", str(tp),
+            "--training.steps", str(args.steps), "--training.seq_len", str(args.seq),
+            "--training.local_batch_size", str(args.lbs), "--debug.seed", "42", "--debug.deterministic"]
+
+
+def run_ours(checkout: Path, backend: str, dp: int, tp: int, args: argparse.Namespace, log: Path) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * tp),
+           "--local-ranks-filter", "0", "-m", "torchtitan_spmd.train", "--module", "llama3",
+           "--config", "llama3_debugmodel", "--parallelism.spmd_backend", backend,
+           "--activation_checkpoint.mode", "none", *_common(dp, tp, args)]
+    return _median_step(_timed_lines(cmd, env, checkout, log, args.timeout), log)
+
+
+def run_titan(backend: str, dp: int, tp: int, args: argparse.Namespace, log: Path) -> float:
+    work = args.tt_home / "work"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "disabled", "TT_CPU_ATTN": "sdpa"}
+    cmd = [str(args.tt_home / "venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node", str(dp * tp),
+           "--local-ranks-filter", "0", str(args.peer / "tt_cpu_launch.py"), "--module", "llama3",
+           "--config", "llama3_debugmodel", "--parallelism.spmd_backend", backend, *_common(dp, tp, args),
+           "--dump_folder", str(log.parent / "tt_dump"), "--training.mixed_precision_param", "float32",
+           "activation_checkpoint:none"]
+    return _median_step(_timed_lines(cmd, env, work, log, args.timeout), log)
+
+
+def _checkout(spec: str) -> tuple[str, Path]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--ours takes NAME=PATH, got {spec!r}")
+    p = Path(path).resolve()
+    if not (p / "torchtitan_spmd" / "train.py").is_file():
+        raise argparse.ArgumentTypeError(f"--ours {spec!r}: {p} is not a torchtitan_spmd checkout")
+    return name, p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=2, help="alternating rounds (default 2)")
+    parser.add_argument("--configs", nargs="+", default=["2x2"], choices=sorted(CONFIGS))
+    parser.add_argument("--ours", type=_checkout, action="append", default=None, metavar="NAME=PATH")
+    parser.add_argument("--backends", nargs="+", default=list(OURS_BACKENDS), choices=OURS_BACKENDS)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--lbs", type=int, default=4)
+    parser.add_argument("--peer", type=Path, default=Path(os.environ.get(
+        "PEER_TORCHTITAN", HERE.parent / "shared" / "peer-torchtitan")))
+    parser.add_argument("--tt-home", type=Path, default=Path(os.environ.get(
+        "TT_HOME", Path.home() / ".cache" / "peer-tt")))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/torchtitan_compare"))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    ours = args.ours or [("ours", HERE)]
+    if not (args.tt_home / "venv" / "bin" / "torchrun").exists() or not (args.peer / "tt_cpu_launch.py").exists():
+        parser.error(f"torchtitan 0.3.0 is not set up: need {args.tt_home}/venv (run "
+                     f"'bash {args.peer}/side_by_side.sh setup') and {args.peer}/tt_cpu_launch.py")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[str, str], list[float]] = {}
+    for cfg in args.configs:
+        dp, tp = CONFIGS[cfg]
+        for i in range(1, args.pairs + 1):
+            jobs: list[tuple[str, str]] = []
+            for b in args.backends:
+                jobs += [(name, b) for name, _ in ours]
+                if b == "default":
+                    jobs.append(("torchtitan", "partial_dtensor"))
+                if b == "full_dtensor":
+                    jobs.append(("torchtitan", "full_dtensor"))
+            for who, backend in jobs:
+                log = args.out / f"{cfg}_{who}_{backend}_{i}.log"
+                if who == "torchtitan":
+                    sec = run_titan(backend, dp, tp, args, log)
+                else:
+                    sec = run_ours(dict(ours)[who], backend, dp, tp, args, log)
+                results.setdefault((cfg, f"{who} {backend}"), []).append(sec)
+                print(f"{cfg} pair {i}: {who} {backend}: {sec:.3f} s/step", flush=True)
+    print("\n| config | run | median s/step | runs | × torchtitan's faster backend |")
+    print("|---|---|---:|---|---:|")
+    for cfg in args.configs:
+        titan = [statistics.median(v) for (c, k), v in results.items() if c == cfg and k.startswith("torchtitan")]
+        best = min(titan) if titan else float("nan")
+        for (c, k), v in results.items():
+            if c == cfg:
+                m = statistics.median(v)
+                print(f"| {cfg} | {k} | {m:.3f} | {', '.join(f'{x:.2f}' for x in v)} | {m / best:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Run-time helpers that are not distributed techniques (upstream's ``torchtitan.tools``)."""
