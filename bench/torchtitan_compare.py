@@ -18,7 +18,10 @@ reaches this process; a run's figure is the median gap between consecutive
 alternate (ours default, torchtitan partial_dtensor, ours full_dtensor,
 torchtitan full_dtensor, ours spmd_types, then the next pair), so machine noise
 hits all alike. The table gives, per variant, the median over pairs and the ratio
-to torchtitan's faster backend on that config (the issue-15 goal is <= 0.85).
+to torchtitan's faster backend on that config (the issue-15 goal is <= 0.85), and
+the same for the CPU seconds every rank together used per step (read from
+``/proc`` at each step line): wall time follows the machine's load, CPU time much
+less, so the CPU column is the one to trust on a busy machine.
 
 ``--ours NAME=PATH`` (repeatable) runs the trainer of another checkout (its
 ``torchtitan_spmd`` first on ``PYTHONPATH``) under this interpreter, e.g. the
@@ -44,9 +47,39 @@ _STEP = re.compile(r"step:\s*(\d+)\s+loss")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> list[float]:
-    """Run ``cmd``; return the arrival time of each rank-0 ``step:`` line (all output goes to ``log``)."""
-    stamps: list[float] = []
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and all its live descendants (from ``/proc``)."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    total, todo, seen = 0.0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += cpu.get(pid, 0.0)
+        todo.extend(c for c, p in parent.items() if p == pid)
+    return total
+
+
+def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
+                 timeout: float) -> list[tuple[float, float]]:
+    """Run ``cmd``; for each rank-0 ``step:`` line, its arrival time and the CPU seconds the
+    whole process tree (every rank) had used by then. All output goes to ``log``."""
+    stamps: list[tuple[float, float]] = []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", bufsize=1)
@@ -56,7 +89,7 @@ def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, time
             now = time.time()
             out.write(f"{now:.3f} {line}")
             if _STEP.search(_ANSI.sub("", line)):
-                stamps.append(now)
+                stamps.append((now, _tree_cpu_seconds(proc.pid)))
             if time.monotonic() > deadline:
                 proc.kill()
                 break
@@ -66,11 +99,13 @@ def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, time
     return stamps
 
 
-def _median_step(stamps: list[float], log: Path) -> float:
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # gaps ending at steps 3..N
-    if not gaps:
+def _median_step(stamps: list[tuple[float, float]], log: Path) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (all ranks) per step, over steps 3..N."""
+    wall = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][1:]  # gaps ending at steps 3..N
+    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][1:]
+    if not wall:
         raise SystemExit(f"no step times in {log}")
-    return statistics.median(gaps)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def _common(dp: int, tp: int, args: argparse.Namespace) -> list[str]:
@@ -79,7 +114,8 @@ def _common(dp: int, tp: int, args: argparse.Namespace) -> list[str]:
             "--training.local_batch_size", str(args.lbs), "--debug.seed", "42", "--debug.deterministic"]
 
 
-def run_ours(checkout: Path, backend: str, dp: int, tp: int, args: argparse.Namespace, log: Path) -> float:
+def run_ours(checkout: Path, backend: str, dp: int, tp: int, args: argparse.Namespace,
+             log: Path) -> tuple[float, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * tp),
@@ -89,7 +125,7 @@ def run_ours(checkout: Path, backend: str, dp: int, tp: int, args: argparse.Name
     return _median_step(_timed_lines(cmd, env, checkout, log, args.timeout), log)
 
 
-def run_titan(backend: str, dp: int, tp: int, args: argparse.Namespace, log: Path) -> float:
+def run_titan(backend: str, dp: int, tp: int, args: argparse.Namespace, log: Path) -> tuple[float, float]:
     work = args.tt_home / "work"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "disabled", "TT_CPU_ATTN": "sdpa"}
@@ -132,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"torchtitan 0.3.0 is not set up: need {args.tt_home}/venv (run "
                      f"'bash {args.peer}/side_by_side.sh setup') and {args.peer}/tt_cpu_launch.py")
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[tuple[str, str], list[float]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for cfg in args.configs:
         dp, tp = CONFIGS[cfg]
         for i in range(1, args.pairs + 1):
@@ -150,16 +186,20 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     sec = run_ours(dict(ours)[who], backend, dp, tp, args, log)
                 results.setdefault((cfg, f"{who} {backend}"), []).append(sec)
-                print(f"{cfg} pair {i}: {who} {backend}: {sec:.3f} s/step", flush=True)
-    print("\n| config | run | median s/step | runs | × torchtitan's faster backend |")
-    print("|---|---|---:|---|---:|")
+                print(f"{cfg} pair {i}: {who} {backend}: {sec[0]:.3f} s/step, {sec[1]:.3f} CPU-s/step",
+                      flush=True)
+    print("\n| config | run | median s/step | runs | × torchtitan's faster | CPU-s/step, all ranks "
+          "| × torchtitan's faster |")
+    print("|---|---|---:|---|---:|---:|---:|")
     for cfg in args.configs:
-        titan = [statistics.median(v) for (c, k), v in results.items() if c == cfg and k.startswith("torchtitan")]
-        best = min(titan) if titan else float("nan")
-        for (c, k), v in results.items():
-            if c == cfg:
-                m = statistics.median(v)
-                print(f"| {cfg} | {k} | {m:.3f} | {', '.join(f'{x:.2f}' for x in v)} | {m / best:.2f} |")
+        mine = {k: v for (c, k), v in results.items() if c == cfg}
+        wall = {k: statistics.median(x[0] for x in v) for k, v in mine.items()}
+        cpu = {k: statistics.median(x[1] for x in v) for k, v in mine.items()}
+        tw = min((m for k, m in wall.items() if k.startswith("torchtitan")), default=float("nan"))
+        tc = min((m for k, m in cpu.items() if k.startswith("torchtitan")), default=float("nan"))
+        for k, v in mine.items():
+            print(f"| {cfg} | {k} | {wall[k]:.3f} | {', '.join(f'{x[0]:.2f}' for x in v)} | {wall[k] / tw:.2f} "
+                  f"| {cpu[k]:.3f} | {cpu[k] / tc:.2f} |")
     return 0
 
 
