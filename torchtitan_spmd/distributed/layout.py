@@ -192,6 +192,15 @@ class SpmdLayout:
         Raises ValueError for ``V`` (no DTensor equivalent) and for a dim sharded
         over several axes in an order other than the mesh's.
         """
+        # Immutable, and asked for on every plan boundary of every step: computed once per
+        # mesh (the cache lives outside the dataclass fields, so equality is unchanged).
+        cache: dict[tuple[str, ...], tuple[Any, ...]] = self.__dict__.setdefault("_placements_by_mesh", {})
+        key = tuple(mesh_dim_names)
+        if key not in cache:
+            cache[key] = self._placements(key)
+        return cache[key]
+
+    def _placements(self, mesh_dim_names: tuple[str, ...]) -> tuple[Any, ...]:
         from torch.distributed.tensor import Shard as DShard
 
         dims = self.shard_dims()
