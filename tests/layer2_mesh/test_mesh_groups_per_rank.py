@@ -116,6 +116,10 @@ def test_axis_ranks_of_a_rank_outside_the_map_and_a_layout_without_complement() 
     layout = _mesh_compat.axis_layout((2,), (1,))
     assert _mesh_compat.axis_ranks(layout, evens, 6) == [4, 6]  # positions 2 and 3
     assert _mesh_compat.axis_ranks(layout, evens, 3) is None
+    # Two modes (no project axis has them: each spans adjacent base axes), in their order.
+    world8 = torch.arange(8, dtype=torch.int)
+    assert _mesh_compat.axis_ranks(_mesh_compat.axis_layout((2, 2), (4, 1)), world8, 6) == [2, 3, 6, 7]
+    assert _mesh_compat.axis_ranks(_mesh_compat.axis_layout((2, 2), (1, 4)), world8, 3) == [2, 6, 3, 7]
     # Ranks {0, 4} of 6: no other mode can fill the gaps, so no mesh has this axis.
     with pytest.raises(ValueError, match="no complement in a world of 6 ranks"):
         _mesh_compat.axis_ranks(_mesh_compat.axis_layout((2,), (4,)), torch.arange(6), 0)

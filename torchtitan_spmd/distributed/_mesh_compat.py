@@ -234,4 +234,4 @@ def init_axis_group(
         use_local_synchronization=True,
         group_desc=f"mesh_{name}",
     )
-    return group.group_name
+    return group.group_name if isinstance(group, dist.ProcessGroup) else None
