@@ -192,7 +192,7 @@ def _splits_default_group() -> bool:
     """Whether torch creates a real axis' groups with one ``split_group`` of the default group.
 
     As ``DeviceMesh._init_one_process_group``: the default group has a bound device
-    (NCCL with ``device_id``) and an accelerator is there. Never on CPU or gloo.
+    (NCCL with ``device_id``) and CUDA is there. Never on CPU or gloo.
     """
     default = dist.distributed_c10d._get_default_group()
     return getattr(default, "bound_device_id", None) is not None and torch.cuda.is_available()
@@ -214,13 +214,17 @@ def init_axis_group(
       bound device: torch's own ``DeviceMesh._init_one_process_group``, which then
       reuses the default group, or makes one ``split_group`` call for the axis;
     - otherwise only this rank's subgroup (:func:`axis_ranks`), with
-      ``new_group(use_local_synchronization=True)``: only its members call it, and
-      they name it alike (torch hashes the ranks with a counter that advances alike
-      on every rank as long as all ranks created the same groups before, as
-      ``build_mesh`` makes them do: one call per axis on every rank). Torch's own
-      routine instead makes every rank call ``new_group`` for every subgroup.
+      ``new_group(use_local_synchronization=True)``: only its members call it. Torch
+      names such a group by hashing its ranks with a per-process count of the groups
+      created before (``_world.group_count`` on torch 2.14, ``len(_world.pg_names)``
+      before), so two groups over the same ranks (a real and a fake one) get
+      different names, and the members agree on the name when every rank has
+      created as many groups before: ``build_mesh`` makes one call per distinct
+      axis on every rank, in the same order. Torch's own routine instead makes
+      every rank call ``new_group`` for every subgroup of the axis.
 
-    ``timeout``: of the groups created here (None: torch's default).
+    ``timeout``: of the groups ``new_group`` creates here (None: torch's default;
+    the default group and ``split_group``'s groups keep torch's).
     """
     if backend is None and (layout.numel() == dist.get_world_size() or _splits_default_group()):
         return DeviceMesh._init_one_process_group(layout, rank_map, name, (None, None))

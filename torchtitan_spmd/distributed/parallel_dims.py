@@ -33,8 +33,8 @@ Built once, per rank
     view over the same rank map that points at those groups. Axes with the same
     ranks share a group (``batch`` and ``dp``; ``ep`` and ``tp`` when
     ``ep == tp``; all size-1 fake axes), where upstream unflattens the world four
-    times and has every rank create every subgroup again for each view. New
-    groups get the default group's timeout.
+    times and has every rank create every subgroup again for each view. Groups
+    made with ``new_group`` get the default group's timeout.
 
 Real and fake axes
     An axis is *active* when it has a real process group: when its size is
@@ -554,8 +554,9 @@ class ParallelDims:
             if backend == "fake":
                 _ensure_fake_backend_registered()
             # This rank's group only (or the default group, or one split_group when
-            # the default group has a bound device), once per rank set, with the
-            # default group's timeout.
+            # the default group has a bound device), once per rank set; new_group's
+            # get the default group's timeout (the trainer sets its own on every
+            # group after build_mesh: comm.set_pg_timeouts).
             timeout = _mesh_compat.default_group_timeout(str(self.device_type))
             name = _mesh_compat.init_axis_group(layout, rank_map, axis, backend, timeout)
             if name is None:
