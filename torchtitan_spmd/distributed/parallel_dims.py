@@ -23,14 +23,18 @@ Meshes as data
     the axes ``resolve_mesh`` keeps, and the axes of ``spmd_meshes()``. The class
     itself never branches on the backend's name.
 
-Built once
-    ``build_mesh()`` creates the process groups of each distinct set of ranks
-    exactly once, with torch's own per-axis group creation, and makes every mesh
-    (the 5-axis world mesh, the global meshes, every sub-mesh) a view over the
-    same rank map that points at those groups. Axes with the same ranks share a
-    group (``batch`` and ``dp``; ``ep`` and ``tp`` when ``ep == tp``; all size-1
-    fake axes), where upstream unflattens the world four times and creates every
-    group again for each view.
+Built once, per rank
+    ``build_mesh()`` creates, for each distinct set of ranks, only the group this
+    rank belongs to (``new_group(use_local_synchronization=True)``: no other rank
+    takes part), so its cost does not grow with the world size; an axis over the
+    whole world is the default group, and with a device-bound NCCL default group
+    each axis is one ``split_group``, as torch does (:func:`_mesh_compat.init_axis_group`).
+    Every mesh (the 5-axis world mesh, the global meshes, every sub-mesh) is a
+    view over the same rank map that points at those groups. Axes with the same
+    ranks share a group (``batch`` and ``dp``; ``ep`` and ``tp`` when
+    ``ep == tp``; all size-1 fake axes), where upstream unflattens the world four
+    times and has every rank create every subgroup again for each view. Groups
+    made with ``new_group`` get the default group's timeout.
 
 Real and fake axes
     An axis is *active* when it has a real process group: when its size is
@@ -549,9 +553,12 @@ class ParallelDims:
         if key not in self._groups:
             if backend == "fake":
                 _ensure_fake_backend_registered()
-            # torch's own per-axis creation (new_group per subgroup, or split_group
-            # when the default group has a bound device), done once per rank set.
-            name = _mesh_compat.init_axis_group(layout, rank_map, axis, backend)
+            # This rank's group only (or the default group, or one split_group when
+            # the default group has a bound device), once per rank set; new_group's
+            # get the default group's timeout (the trainer sets its own on every
+            # group after build_mesh: comm.set_pg_timeouts).
+            timeout = _mesh_compat.default_group_timeout(str(self.device_type))
+            name = _mesh_compat.init_axis_group(layout, rank_map, axis, backend, timeout)
             if name is None:
                 raise RuntimeError(
                     f"ParallelDims: rank {dist.get_rank()} is in no {axis!r} process group."
