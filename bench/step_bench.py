@@ -3,19 +3,31 @@
     python bench/step_bench.py                       # 4 gloo ranks, FSDP 2 x TP 2, llama3 debugmodel
     python bench/step_bench.py --steps 8 --variants default,full_dtensor
     python bench/step_bench.py --model qwen3
+    python bench/step_bench.py --variants spmd_types,spmd_types+typecheck --baseline spmd_types
+    python bench/step_bench.py --variants spmd_types+typecheck1,spmd_types --steps 20 \
+        --baseline spmd_types                         # a run type-checking its first step
 
 Every rank builds one trainer per variant (same model, data and seed), then the
 steps are interleaved: step 1 of every variant, then step 2 of every variant,
 and so on, so machine noise hits all variants alike. The first ``--warmup``
 steps (DTensor's sharding-propagation caches, first collectives) are dropped.
 A variant is a backend name, optionally with ``+typecheck`` to turn on
-``debug.spmd_typechecking``. Prints a markdown table of the median step time
-per variant and its ratio to ``default``.
+``debug.spmd_typechecking`` (every step) or ``+typecheckN`` to type-check only
+the first N steps (``debug.spmd_typechecking_steps=N``). Prints a markdown table
+per variant: the median step time, its ratio to the baseline variant
+(``--baseline``, by default ``default``), and the whole run (every step, warm-up
+included, each step's slowest rank) with its ratio to the baseline's.
+
+The checker's decisions are remembered process-wide (see the spmd_types
+representation's ``typecheck`` module): with several type-checked variants in one
+run, the later ones' first steps reuse the earlier ones' decisions, so for a
+whole-run figure give one type-checked variant per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -35,8 +47,10 @@ ALL_VARIANTS = ("default", "full_dtensor", "spmd_types", "spmd_types+typecheck")
 
 def _config(variant: str, args: argparse.Namespace) -> JobConfig:
     backend, _, extra = variant.partition("+")
-    if extra not in ("", "typecheck"):
-        raise ValueError(f"variant {variant!r}: the only suffix is '+typecheck'.")
+    typecheck = re.fullmatch(r"typecheck(\d*)", extra)
+    if extra and typecheck is None:
+        raise ValueError(f"variant {variant!r}: the only suffixes are '+typecheck' and '+typecheckN' (N >= 1).")
+    checked_steps = int(typecheck.group(1)) if typecheck is not None and typecheck.group(1) else None
     return JobConfig.from_dict(
         {
             "model": {"name": args.model, "flavor": args.flavor},
@@ -45,7 +59,8 @@ def _config(variant: str, args: argparse.Namespace) -> JobConfig:
             "activation_checkpoint": {"mode": "none"},  # fp32, no recompute: bench/feature_bench.py has those
             "parallelism": {"data_parallel_shard_degree": args.dp_shard,
                             "tensor_parallel_degree": args.tp, "spmd_backend": backend},
-            "debug": {"seed": 0, "spmd_typechecking": extra == "typecheck"},
+            "debug": {"seed": 0, "spmd_typechecking": typecheck is not None,
+                      "spmd_typechecking_steps": checked_steps},
         }
     )
 
@@ -86,28 +101,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dp-shard", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--baseline", default=None,
+                        help="the variant the ratios are to (default: 'default' if run, else the first)")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
+    baseline = args.baseline or ("default" if "default" in variants else variants[0])
+    if baseline not in variants:
+        parser.error(f"--baseline {baseline!r} is not one of the variants {variants}.")
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}).")
+    checked = [v for v in variants if "+typecheck" in v]
+    if len(checked) > 1:
+        print(f"note: {', '.join(checked[1:])} reuse the type checker's decisions of {checked[0]} "
+              "(one process): their whole-run figures leave out their first-step checking.")
     world = args.dp_shard * args.tp
     start = time.perf_counter()
     per_rank = run_forked(_worker, world, variants, args, timeout_s=3600)
     wall = time.perf_counter() - start
     # A step ends when its slowest rank ends: take the max over ranks per step.
-    medians = {}
+    medians, runs = {}, {}
     for v in variants:
-        steps = [max(r[v][i] for r in per_rank) for i in range(args.warmup, args.steps)]
-        medians[v] = statistics.median(steps)
-    base = medians.get("default")
+        steps = [max(r[v][i] for r in per_rank) for i in range(args.steps)]
+        medians[v] = statistics.median(steps[args.warmup:])
+        runs[v] = sum(steps)
     print(f"\n{world} gloo ranks, dp_shard={args.dp_shard} x tp={args.tp}, {args.model} {args.flavor}, "
           f"local batch {args.local_batch_size} x seq {args.seq_len}, {args.steps - args.warmup} "
           f"measured steps after {args.warmup} warm-up, interleaved; wall {wall:.0f} s\n")
-    print("| variant | median step (s) | ratio to default |")
-    print("|---|---|---|")
+    print(f"| variant | median step (s) | ratio to {baseline} | whole run (s) | ratio to {baseline} |")
+    print("|---|---|---|---|---|")
     for v in variants:
-        ratio = f"{medians[v] / base:.2f}x" if base else "n/a"
-        print(f"| {v} | {medians[v]:.3f} | {ratio} |")
+        print(f"| {v} | {medians[v]:.3f} | {medians[v] / medians[baseline]:.2f}x | {runs[v]:.1f} | "
+              f"{runs[v] / runs[baseline]:.2f}x |")
     return 0
 
 
