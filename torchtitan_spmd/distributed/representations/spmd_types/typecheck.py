@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import spmd_types as st  # the library (absolute import), not this package
@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from .mesh_context import set_current_spmd_mesh
 
-__all__ = ["DECISION_CACHE", "spmd_train_context"]
+__all__ = ["DECISION_CACHE", "DeclaredTypes", "spmd_train_context"]
 
 
 def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -281,26 +281,29 @@ class _DecisionCache:
         return (func, tuple(parts), st.current_mesh(), _st_state._current_local_axes(), mode._local,
                 mode._strict, torch.is_grad_enabled())
 
-    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``func`` as the checker would (through it, or by replaying its decision)."""
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 decide: Callable[[], Any] | None = None) -> Any:
+        """Run ``func`` as the checker would: ``decide()`` (by default the call itself, which
+        the checker below sees), or a replay of what it decided for this key before."""
+        decide = decide or (lambda: func(*args, **kwargs))
         key = self.key(func, args, kwargs) if self.enabled else None
         if key is None:
             self.unkeyed += 1
-            return func(*args, **kwargs)
+            return decide()
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
             before = {id(a): (tuple(st.get_local_type(a).items()), st.get_partition_spec(a))
                       for a in _tensors_in((*args, *kwargs.values()))}
-            out = func(*args, **kwargs)  # the checker decides (and raises on a type error)
+            out = decide()  # the checker decides (and raises on a type error)
             self._record(key, before, out)
             return out
         if entry is _ALWAYS_CHECK:
             self.unkeyed += 1
-            return func(*args, **kwargs)
+            return decide()
         self.hits += 1
         if self.audit:
-            out = func(*args, **kwargs)
+            out = decide()
             got = self._types_of(out)
             if got != entry:
                 raise AssertionError(f"type-check cache: {func} recorded {entry}, the checker now gives {got}")
@@ -348,6 +351,48 @@ class _DecisionCache:
 DECISION_CACHE = _DecisionCache()
 
 
+def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A view/reshape by :func:`_global_view`'s rule where it applies, else the checker's."""
+    out = _global_view(func, args, kwargs)
+    return func(*args, **kwargs) if out is NotImplemented else out
+
+
+class DeclaredTypes:
+    """``spmd_types.assert_type`` of declared layouts, skipped where it is known to change nothing.
+
+    ``assert_type`` reads only the tensor's type, partition spec and rank and either
+    raises, refines the tensor's types, or leaves them as they are; the last outcome
+    is remembered per (declared types, the tensor's types), so the same boundary
+    check on the same incoming types costs a lookup. Errors and refinements are
+    never remembered.
+    """
+
+    def __init__(self) -> None:
+        self._unchanged: set[Hashable] = set()
+
+    @staticmethod
+    def key(types: dict[Any, Any], spec: st.PartitionSpec | None) -> Hashable:
+        """The hashable identity of declared ``types`` (keyed by process group) and ``spec``."""
+        return tuple((st.MeshAxis.of(g), t) for g, t in types.items()), spec
+
+    def __call__(self, x: torch.Tensor, types: dict[Any, Any], spec: st.PartitionSpec | None,
+                 key: Hashable) -> None:
+        """``assert_type(x, types, partition_spec=spec)``; ``key``: :meth:`key` of the two."""
+        state = _type_state(x)
+        if (key, state) in self._unchanged:
+            return
+        st.assert_type(x, types, partition_spec=spec)
+        if state[0] is not None and _type_state(x) == state:
+            self._unchanged.add((key, state))
+
+
+def _type_state(x: torch.Tensor) -> tuple[Any, ...]:
+    """What ``assert_type`` reads from ``x``: its type (None if untyped), partition spec and rank."""
+    with torch._C.DisableTorchFunction():
+        typ = tuple(st.get_local_type(x).items()) if st.has_local_type(x) else None
+        return typ, st.get_partition_spec(x), x.dim()
+
+
 class _GlobalTypingShim(TorchFunctionMode):
     """Pushed inside ``typecheck(local=False)``; sees every op first.
 
@@ -357,7 +402,7 @@ class _GlobalTypingShim(TorchFunctionMode):
       ``torch.autograd.grad`` runs unchecked too.
     - ``view``/``reshape`` that split a sharded dim (attention's head split): see
       :func:`_global_view`.
-    - every other plain torch op: through :data:`DECISION_CACHE`.
+    - plain torch ops (views included): through :data:`DECISION_CACHE`.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -379,10 +424,6 @@ class _GlobalTypingShim(TorchFunctionMode):
                         )
             with st.no_typecheck():
                 return func(*args, **kwargs)
-        if func in _VIEW_FUNCS and st.is_type_checking():
-            out = _global_view(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
         if _is_autograd_apply(func):
             # A bare ``Function.apply`` does not re-dispatch to the modes below this
             # one (the checker) by itself: hand it on explicitly.
@@ -392,6 +433,8 @@ class _GlobalTypingShim(TorchFunctionMode):
             return func(*args, **kwargs)
         if not st.is_type_checking():
             return func(*args, **kwargs)
+        if func in _VIEW_FUNCS:
+            return DECISION_CACHE(func, args, kwargs, lambda: _view(func, args, kwargs))
         return DECISION_CACHE(func, args, kwargs)
 
 
