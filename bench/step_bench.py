@@ -15,8 +15,10 @@ A variant is a backend name, optionally with ``+typecheck`` to turn on
 ``debug.spmd_typechecking`` (every step) or ``+typecheckN`` to type-check only
 the first N steps (``debug.spmd_typechecking_steps=N``). Prints a markdown table
 per variant: the median step time, its ratio to the baseline variant
-(``--baseline``, by default ``default``), and the whole run (every step, warm-up
-included, each step's slowest rank) with its ratio to the baseline's.
+(``--baseline``, by default ``default``), the whole run (every step, warm-up
+included, each step's slowest rank), and the median CPU time of a step summed over
+the ranks (steadier than wall time on a shared machine), each with its ratio to
+the baseline's.
 
 The checker's decisions are remembered process-wide (see the spmd_types
 representation's ``typecheck`` module): with several type-checked variants in one
@@ -65,16 +67,17 @@ def _config(variant: str, args: argparse.Namespace) -> JobConfig:
     )
 
 
-def _worker(rank: int, world: int, variants: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
+def _worker(rank: int, world: int, variants: list[str],
+            args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     from torchtitan_spmd.train import Trainer
 
     trainers = {v: Trainer(_config(v, args)) for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for step in range(1, args.steps + 1):
         for variant, trainer in trainers.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             trainer.step(step)
-            times[variant].append(time.perf_counter() - start)
+            times[variant].append((time.perf_counter() - start, time.process_time() - cpu))
     return times
 
 
@@ -119,19 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_forked(_worker, world, variants, args, timeout_s=3600)
     wall = time.perf_counter() - start
     # A step ends when its slowest rank ends: take the max over ranks per step.
-    medians, runs = {}, {}
+    medians, runs, cpus = {}, {}, {}
     for v in variants:
-        steps = [max(r[v][i] for r in per_rank) for i in range(args.steps)]
+        steps = [max(r[v][i][0] for r in per_rank) for i in range(args.steps)]
         medians[v] = statistics.median(steps[args.warmup:])
         runs[v] = sum(steps)
+        cpus[v] = statistics.median(sum(r[v][i][1] for r in per_rank) for i in range(args.warmup, args.steps))
     print(f"\n{world} gloo ranks, dp_shard={args.dp_shard} x tp={args.tp}, {args.model} {args.flavor}, "
           f"local batch {args.local_batch_size} x seq {args.seq_len}, {args.steps - args.warmup} "
           f"measured steps after {args.warmup} warm-up, interleaved; wall {wall:.0f} s\n")
-    print(f"| variant | median step (s) | ratio to {baseline} | whole run (s) | ratio to {baseline} |")
-    print("|---|---|---|---|---|")
+    print(f"| variant | median step (s) | ratio to {baseline} | whole run (s) | ratio to {baseline} "
+          f"| CPU s/step, all ranks | ratio to {baseline} |")
+    print("|---|---|---|---|---|---|---|")
     for v in variants:
         print(f"| {v} | {medians[v]:.3f} | {medians[v] / medians[baseline]:.2f}x | {runs[v]:.1f} | "
-              f"{runs[v] / runs[baseline]:.2f}x |")
+              f"{runs[v] / runs[baseline]:.2f}x | {cpus[v]:.2f} | {cpus[v] / cpus[baseline]:.2f}x |")
     return 0
 
 
