@@ -278,3 +278,57 @@ def test_the_cache_key_and_what_is_never_replayed() -> None:
     assert got["grad_mode_in_key"], got
     assert got["unkeyed"] == [None] * 5, got
     assert got["replayed"] and got["errors"] == 2 and got["inplace_hits"] == 0 and got["retyped_input"], got
+
+
+def _declared_types_rules() -> dict[str, Any]:
+    import spmd_types as st
+    from spmd_types import R, S, V
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_spmd.distributed.representations.spmd_types import typecheck
+
+    _child_world(2)
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)).get_group("tp")
+    calls = [0]
+    real = st.assert_type
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    typecheck.st.assert_type = counting  # the module's view of the library: count, then delegate
+    try:
+        declared = typecheck.DeclaredTypes()
+        s0, key = {tp: S(0)}, typecheck.DeclaredTypes.key({tp: S(0)}, None)
+
+        def typed(typ: Any) -> torch.Tensor:
+            t = torch.ones(4, 6)
+            real(t, {tp: typ})
+            return t
+
+        out: dict[str, Any] = {}
+        for _ in range(3):  # already S(0): asserted once, then known to change nothing
+            declared(typed(S(0)), s0, None, key)
+        out["noop_calls"] = calls[0]
+        calls[0] = 0
+        refined = []
+        for _ in range(2):  # V refined to S(0) each time: never skipped
+            t = typed(V)
+            declared(t, s0, None, key)
+            refined.append(st.get_partition_spec(t) is not None)
+        out["refined"], out["refine_calls"] = refined, calls[0]
+        errors = 0
+        for _ in range(2):  # a contradiction raises each time
+            try:
+                declared(typed(R), s0, None, key)
+            except st.SpmdTypeError:
+                errors += 1
+        out["errors"] = errors
+    finally:
+        typecheck.st.assert_type = real
+    return out
+
+
+def test_declared_types_skip_only_asserts_that_change_nothing() -> None:
+    got = in_child(_declared_types_rules)
+    assert got == {"noop_calls": 1, "refined": [True, True], "refine_calls": 2, "errors": 2}, got
