@@ -199,7 +199,7 @@ def test_a_planted_bug_is_caught_after_the_correct_code_filled_the_cache() -> No
 
 def _cache_rules() -> dict[str, Any]:
     import spmd_types as st
-    from spmd_types import I, R, S, V
+    from spmd_types import I, P, R, S, V
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_spmd.distributed.representations.spmd_types.typecheck import (
@@ -220,6 +220,7 @@ def _cache_rules() -> dict[str, Any]:
 
     # Typed outside the checker (inside it, torch.ones is typed R by itself).
     r, r64, s0, s1, inv = typed(R), typed(R).double(), typed(S(0)), typed(S(1)), typed(I, grad=True)
+    i0, p0 = typed(I), typed(P)  # no partition spec, like r: only their local types tell them apart
     r_t, c = typed(R, 6, 4), typed(R)
     out: dict[str, Any] = {}
     DECISION_CACHE.clear()
@@ -231,6 +232,8 @@ def _cache_rules() -> dict[str, Any]:
             key(torch.Tensor.add, (s1, r), {}), key(torch.Tensor.add, (r, r_t.t()), {}),
             key(torch.Tensor.add, (r, r), {"alpha": 2}), key(torch.Tensor.add, (r, r), {"alpha": 2.0}),
             key(torch.Tensor.mul, (r, r), {}), key(torch.Tensor.add, (r, r64), {}),
+            key(torch.Tensor.add, (i0, r), {}), key(torch.Tensor.add, (p0, r), {}),
+            key(torch.Tensor.add, (inv, r), {}),
         })
         with torch.no_grad():
             out["grad_mode_in_key"] = key(torch.Tensor.add, (r, r), {}) != _key_in_grad_mode(key, r)
@@ -274,7 +277,7 @@ def _key_in_grad_mode(key: Any, r: torch.Tensor) -> Any:
 
 def test_the_cache_key_and_what_is_never_replayed() -> None:
     got = in_child(_cache_rules)
-    assert got["keys_differ"] == 8, got
+    assert got["keys_differ"] == 11, got
     assert got["grad_mode_in_key"], got
     assert got["unkeyed"] == [None] * 5, got
     assert got["replayed"] and got["errors"] == 2 and got["inplace_hits"] == 0 and got["retyped_input"], got
