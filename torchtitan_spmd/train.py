@@ -22,7 +22,8 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -253,11 +254,17 @@ class Trainer:
             local_batch_size=rows,
             seq_len=training.seq_len, seed=self.seed,
         )
-        self.train_context = get_train_context(
+        train_context = functools.partial(
+            get_train_context,
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
             parallel_dims=self.parallel_dims,
-            spmd_typechecking=job_config.debug.spmd_typechecking,
         )
+        self.train_context = train_context(spmd_typechecking=job_config.debug.spmd_typechecking)
+        #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).
+        self._typecheck_countdown: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
+        if job_config.debug.spmd_typechecking and job_config.debug.spmd_typechecking_steps is not None:
+            self._typecheck_countdown = (job_config.debug.spmd_typechecking_steps,
+                                         train_context(spmd_typechecking=False))
         self.checkpointer = self.build_checkpointer()
         #: The step this run continues after (0: from the start); see CheckpointManager.load.
         self.start_step = 0
@@ -313,6 +320,7 @@ class Trainer:
         each runs forward and backward, its loss divided by the token count of the
         whole global batch, and FSDP reduces the gradients after the last one only.
         """
+        self._count_typechecked_step(step)
         start = time.perf_counter()
         tokens, labels = next(self.dataloader)
         tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
@@ -347,6 +355,22 @@ class Trainer:
             tokens_per_s=tokens.numel() / elapsed if elapsed > 0 else float("inf"),
             peak_memory_mib=_peak_memory_mib(self.device_type),
         )
+
+    def _count_typechecked_step(self, step: int) -> None:
+        """``debug.spmd_typechecking_steps=N``: the first N steps this trainer runs are type-checked;
+        before the next one the unchecked train context takes over (one log line on rank 0)."""
+        if self._typecheck_countdown is None:
+            return
+        left, unchecked = self._typecheck_countdown
+        if left > 0:
+            self._typecheck_countdown = (left - 1, unchecked)
+            return
+        self.train_context = unchecked
+        self._typecheck_countdown = None
+        if self.rank == 0:
+            n = self.job_config.debug.spmd_typechecking_steps
+            logger.info(f"type checking off from step {step} on: debug.spmd_typechecking_steps={n} "
+                        f"checked the first {n} step(s) of this run")
 
     def run(self) -> list[StepRecord]:
         """Train from ``start_step + 1`` to ``training.steps``, saving checkpoints as

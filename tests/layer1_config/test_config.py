@@ -98,6 +98,7 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
     DebugConfig: [
         ("seed", int | None, None),
         ("spmd_typechecking", bool, False),
+        ("spmd_typechecking_steps", int | None, None),
         ("deterministic", bool, False),
         ("deterministic_warn_only", bool, False),
         ("moe_force_load_balance", bool, False),
@@ -336,6 +337,31 @@ def test_typechecking_with_spmd_types_is_silent() -> None:
             debug=DebugConfig(spmd_typechecking=True),
         )
     assert cfg.debug.spmd_typechecking
+
+
+def test_typechecking_steps_must_be_at_least_one_or_none() -> None:
+    assert DebugConfig().spmd_typechecking_steps is None  # every step, as before
+    assert DebugConfig(spmd_typechecking_steps=1).spmd_typechecking_steps == 1
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=rf"debug.spmd_typechecking_steps must be >= 1 .*got {bad}\."):
+            DebugConfig(spmd_typechecking_steps=bad)
+    with pytest.raises(TypeError, match="debug.spmd_typechecking_steps: expected int, got bool True"):
+        DebugConfig(spmd_typechecking_steps=True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="debug.spmd_typechecking_steps: expected int, got str"):
+        JobConfig.from_dict({"debug": {"spmd_typechecking": True, "spmd_typechecking_steps": "2"}})
+
+
+def test_typechecking_steps_without_typechecking_warns_no_effect() -> None:
+    with pytest.warns(SpmdTypecheckingWarning, match=r"spmd_typechecking_steps=2 has no effect without "
+                                                     r"debug.spmd_typechecking=True") as rec:
+        JobConfig(parallelism=ParallelismConfig(spmd_backend="spmd_types"),
+                  debug=DebugConfig(spmd_typechecking_steps=2))
+    assert rec[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = JobConfig(parallelism=ParallelismConfig(spmd_backend="spmd_types"),
+                        debug=DebugConfig(spmd_typechecking=True, spmd_typechecking_steps=2))
+    assert cfg.debug.spmd_typechecking_steps == 2
 
 
 def test_job_config_checks_section_types() -> None:

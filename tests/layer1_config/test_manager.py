@@ -261,6 +261,8 @@ def test_toml_errors(tmp_path: Path, text: str, needles: list[str]) -> None:
         (["--debug.seed=-5"], "debug.seed must be >= 0 and < 2**64 (torch.manual_seed's range), or None, got -5"),
         (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds must be in [1, 1000000000], got 0"),
         (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be in [1, 1000000000], got 0"),
+        (["--debug.spmd_typechecking", "--debug.spmd_typechecking_steps", "0"],
+         "debug.spmd_typechecking_steps must be >= 1 (type-check the first N steps), or None (every step), got 0"),
     ],
 )
 def test_bad_numbers_on_the_command_line_name_the_field(
@@ -271,6 +273,18 @@ def test_bad_numbers_on_the_command_line_name_the_field(
     assert err.value.code == 2
     text = " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert needle in text, text
+
+
+@pytest.mark.parametrize(("flags", "steps"), [
+    ([], None),
+    (["--debug.spmd_typechecking_steps", "1"], 1),
+    (["--debug.spmd-typechecking-steps=3"], 3),
+    (["--debug.spmd_typechecking_steps", "None"], None),
+])
+def test_typechecking_steps_on_the_command_line(flags: list[str], steps: int | None, tmp_path: Path) -> None:
+    cfg = parse("--job.config_file", _write(tmp_path, "[training]\nsteps = 1\n"),
+                "--parallelism.spmd_backend", "spmd_types", "--debug.spmd_typechecking", *flags)
+    assert cfg.debug.spmd_typechecking and cfg.debug.spmd_typechecking_steps == steps  # type: ignore[attr-defined]
 
 
 def test_missing_config_file() -> None:

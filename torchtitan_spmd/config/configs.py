@@ -524,6 +524,12 @@ class DebugConfig(Section):
     """Type-check the forward pass with ``spmd_types``' checker. Only the ``spmd_types``
     backend is checked; incompatible with pipeline parallelism."""
 
+    spmd_typechecking_steps: int | None = None
+    """With ``spmd_typechecking``: type-check only the first N steps this process runs
+    (a resumed run checks its first N again), then train unchecked; a static step's
+    types do not change. None checks every step. Needs ``spmd_typechecking`` (a
+    warning otherwise)."""
+
     deterministic: bool = False
     """Use deterministic algorithms where they exist (slower)."""
 
@@ -552,3 +558,6 @@ class DebugConfig(Section):
         super().__post_init__()
         self._require(self.seed is None or 0 <= self.seed <= _MAX_SEED, "seed",
                       "must be >= 0 and < 2**64 (torch.manual_seed's range), or None")
+        self._require(self.spmd_typechecking_steps is None or self.spmd_typechecking_steps >= 1,
+                      "spmd_typechecking_steps",
+                      "must be >= 1 (type-check the first N steps), or None (every step)")

@@ -32,7 +32,7 @@ __all__ = ["JobConfig", "SpmdTypecheckingWarning"]
 
 
 class SpmdTypecheckingWarning(UserWarning):
-    """``debug.spmd_typechecking`` was set where it has no effect."""
+    """``debug.spmd_typechecking`` (or ``spmd_typechecking_steps``) was set where it has no effect."""
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -125,6 +125,13 @@ class JobConfig:
                     SpmdTypecheckingWarning,
                     stacklevel=stacklevel_outside_library(),
                 )
+        elif self.debug.spmd_typechecking_steps is not None:
+            warnings.warn(
+                f"debug.spmd_typechecking_steps={self.debug.spmd_typechecking_steps} has no effect "
+                "without debug.spmd_typechecking=True.",
+                SpmdTypecheckingWarning,
+                stacklevel=stacklevel_outside_library(),
+            )
 
     @classmethod
     def section_types(cls) -> dict[str, type[Any]]:

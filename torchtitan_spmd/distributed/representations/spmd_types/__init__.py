@@ -59,7 +59,7 @@ from ...representation import (
 from .layout_types import annotate, distribute_tensor, layout_type, state_type, with_batch_axis
 from .mesh_context import active, axis_names, group
 from .redistribute import redistribute_per_axis, validate_redistributions
-from .typecheck import spmd_train_context
+from .typecheck import DeclaredTypes, spmd_train_context
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
@@ -98,6 +98,10 @@ class SpmdTypesRepresentation(TensorRepresentation):
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         super().__init__(parallel_dims)
+        #: Per (use, layout): the types asserted (the forward mesh is fixed; computing them
+        #: reads the mesh, whose tensor ops each pass through the checker).
+        self._layout_types: dict[tuple[str, SpmdLayout], Any] = {}
+        self._declared = DeclaredTypes()
 
     @staticmethod
     def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
@@ -143,9 +147,12 @@ class SpmdTypesRepresentation(TensorRepresentation):
         return self.forward_mesh
 
     def _data_type(self, layout: SpmdLayout) -> tuple[dict[Any, Any], st.PartitionSpec | None]:
-        mesh = self._mesh()
-        full = with_batch_axis(layout) if active(mesh, _DP) else layout
-        return layout_type(full, mesh, axes=self._live())
+        cached = self._layout_types.get(("data", layout))
+        if cached is None:
+            mesh = self._mesh()
+            full = with_batch_axis(layout) if active(mesh, _DP) else layout
+            cached = self._layout_types["data", layout] = layout_type(full, mesh, axes=self._live())
+        return cached
 
     def from_local(self, x: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
         if self.forward_mesh is not None:
@@ -156,8 +163,13 @@ class SpmdTypesRepresentation(TensorRepresentation):
         """Under the checker, assert the declared layout on the model axes (all but ``dp``)."""
         if not isinstance(x, torch.Tensor) or not st.is_type_checking():
             return
-        mesh = self._mesh()
-        annotate(x, *layout_type(layout, mesh, axes=[a for a in self._live() if a != _DP]))
+        cached = self._layout_types.get(("model", layout))
+        if cached is None:
+            types, spec = layout_type(layout, self._mesh(), axes=[a for a in self._live() if a != _DP])
+            cached = self._layout_types["model", layout] = (types, spec, DeclaredTypes.key(types, spec))
+        types, spec, key = cached
+        if types:  # as annotate(): nothing to assert without types
+            self._declared(x, types, spec, key)
 
     def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
         self._check(x, layout)
