@@ -101,8 +101,8 @@ def _timed_lines(cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
 
 def _median_step(stamps: list[tuple[float, float]], log: Path) -> tuple[float, float]:
     """Median wall seconds and median CPU seconds (all ranks) per step, over steps 3..N."""
-    wall = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][1:]  # gaps ending at steps 3..N
-    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][1:]
+    wall = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)][1:]  # gaps ending at steps 3..N
+    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:], strict=False)][1:]
     if not wall:
         raise SystemExit(f"no step times in {log}")
     return statistics.median(wall), statistics.median(cpu)
