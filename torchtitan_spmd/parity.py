@@ -308,6 +308,7 @@ def _backend_config(base: JobConfig, backend: str) -> JobConfig:
     data["parallelism"]["spmd_backend"] = backend
     if not _typechecks(backend):
         data["debug"]["spmd_typechecking"] = False
+        data["debug"]["spmd_typechecking_steps"] = None
     return JobConfig.from_dict(data)
 
 
@@ -346,7 +347,7 @@ def _run_torchrun(overrides: Sequence[str], backend: str, nproc: int) -> list[tu
         "--parallelism.spmd_backend", backend, "--metrics.log_freq", "1",
     ]
     if not _typechecks(backend):
-        cmd.append("--debug.no-spmd_typechecking")
+        cmd += ["--debug.no-spmd_typechecking", "--debug.spmd_typechecking_steps", "None"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
