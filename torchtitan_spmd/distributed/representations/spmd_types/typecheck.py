@@ -150,8 +150,8 @@ def _global_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 _VALUE_TYPES = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype,
                           torch.device, torch.memory_format, torch.layout})
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
-#: Marks a key whose op the checker must always see (it mutates, aliases an input, or
-#: returns something other than fresh tensors).
+#: Marks a key whose op the checker must always see: it left the result untyped, retyped an
+#: input it returned (a mutation), or returned something :func:`_result_leaves` cannot describe.
 _ALWAYS_CHECK = object()
 
 
