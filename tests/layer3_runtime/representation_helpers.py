@@ -98,3 +98,65 @@ def check_local_region_passes_keyword_arguments(backend: str) -> None:
     """A local region's body sees plain tensors, keyword arguments included, and computes."""
     for out in run_forked(_local_region_with_kwargs, 2, backend, timeout_s=120):
         assert out == [0.0, 3.0, 6.0, 9.0]
+
+
+class _ScaleByWeight(nn.Module):
+    """A planned module with its own parameter; records what its body sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((2,), 2.0))
+        self.seen: list[tuple[str, str]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((type(self.weight).__name__, type(x).__name__))
+        return x * self.weight
+
+
+def _module_body_sees_local_tensors(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_spmd.distributed.apply_plan import apply_plan
+    from torchtitan_spmd.distributed.layout import S, SpmdLayout
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+    from torchtitan_spmd.distributed.plan import ModulePlan, ShardingPlan
+    from torchtitan_spmd.distributed.representation import build_representation
+
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world,
+                      spmd_backend="default", device_type="cpu")
+    pd.build_mesh()
+    rep = build_representation(pd)
+    sharded = SpmdLayout({"tp": S(0)})
+    model = _ScaleByWeight()
+    apply_plan(model, ShardingPlan({"": ModulePlan(params={"weight": SpmdLayout()}, inputs=(sharded,),
+                                                   output=sharded)}, mesh_axes=("tp",)), rep)
+    x = torch.arange(2.0 * rank, 2.0 * rank + 2).reshape(1, 2).requires_grad_()  # row `rank` of [[0, 1], [2, 3]]
+    out = model(x)
+    out.sum().backward()
+    weight = model.weight
+    grad = weight.grad
+    errors = []
+    try:
+        apply_plan(_ScaleByWeight(), ShardingPlan({"": ModulePlan(inputs=(sharded,))}, mesh_axes=("tp",)), rep)
+    except ValueError as e:
+        errors.append(str(e))
+    return {
+        "seen": model.seen, "out": out.flatten().tolist(), "weight_is_dtensor": isinstance(weight, DTensor),
+        "grad": grad.placements.__repr__() if isinstance(grad, DTensor) else type(grad).__name__,
+        "grad_full": grad.full_tensor().tolist() if isinstance(grad, DTensor) else None,
+        "x_grad": x.grad.flatten().tolist(), "errors": errors,
+    }
+
+
+def check_default_module_bodies_compute_on_local_shards() -> None:
+    """Under ``default`` a planned module's body sees its DTensor parameter and input as local
+    tensors; the replicated weight's gradient is a pending sum over tp (each rank saw half the
+    input), and a module with parameters but no output layout is a setup error."""
+    for rank, r in enumerate(run_forked(_module_body_sees_local_tensors, 2, timeout_s=120)):
+        assert r["seen"] == [("Tensor", "Tensor")], r["seen"]
+        assert r["weight_is_dtensor"]  # restored after the call
+        assert r["out"] == [4.0 * rank, 4.0 * rank + 2.0]
+        assert r["grad"] == "(Partial(sum),)", r["grad"]
+        assert r["grad_full"] == [0.0 + 2.0, 1.0 + 3.0]  # d/dw of sum(x * w): the column sums of x
+        assert r["x_grad"] == [2.0, 2.0]
+        assert len(r["errors"]) == 1 and "needs an output layout" in r["errors"][0], r["errors"]

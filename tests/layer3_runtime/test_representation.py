@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from representation_helpers import (
+    check_default_module_bodies_compute_on_local_shards,
     check_local_region_passes_keyword_arguments,
     check_views_match_single_process_init,
 )
@@ -30,6 +31,12 @@ def test_weights_are_the_single_process_ones_under_every_layout(backend: str, co
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])
 def test_local_region_passes_keyword_arguments(backend: str) -> None:
     check_local_region_passes_keyword_arguments(backend)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["default"])
+def test_default_module_bodies_compute_on_local_shards(backend: str) -> None:
+    check_default_module_bodies_compute_on_local_shards()
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ The one hook installer, written against
 4. ``local_compute`` modules have their body wrapped in
    ``representation.local_region``. That is the place for kernels that must see
    local shards (attention's SDPA); a context-parallel technique replaces the
-   body of that region (ring attention) and keeps the boundary.
+   body of that region (ring attention) and keeps the boundary;
+5. every other planned module's body goes through ``representation.module_body``
+   (the ``default`` backend runs it on local shards; the others leave it as it is).
 
 Works on a model built on the meta device: nothing here reads values.
 """
@@ -123,3 +125,7 @@ def _install(fqn: str, module: nn.Module, mplan: ModulePlan, rep: TensorRepresen
         if out_layout is None:
             raise ValueError(f"plan for {fqn!r}: local_compute needs an output layout.")
         module.forward = rep.local_region(module.forward, out_layout, where=fqn)  # type: ignore[method-assign]
+    else:
+        body = rep.module_body(module, module.forward, boundary_src(mplan.output), where=fqn)
+        if body is not None:
+            module.forward = body  # type: ignore[method-assign]

@@ -246,6 +246,13 @@ class TensorRepresentation(ABC):
         arguments) and returns one laid out as ``out_layout``.
         """
 
+    def module_body(self, module: nn.Module, forward: Callable[..., Any], out_layout: SpmdLayout | None, *,
+                    where: str) -> Callable[..., Any] | None:
+        """The ``forward`` of a planned module that is not a local region, wrapped, or None
+        to leave it as it is (the default). ``out_layout`` is the layout its body produces,
+        before any redistribution of its output."""
+        return None
+
     @abstractmethod
     def to_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``x`` as a tensor the local kernels accept (autograd-safe)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
 from ..layout import SpmdLayout
@@ -26,6 +26,19 @@ def unwrap_local(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
         return a.to_local() if isinstance(a, DTensor) else a
 
     return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
+
+
+def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
+    """The placements of the gradient of a local computation's input (or parameter).
+
+    The input's own placements, except ``Partial`` on a mesh dim where the input is
+    replicated and the output is not (sharded or a pending sum): each rank's output
+    depends on the whole input, so each rank holds a part of its gradient -- a
+    colwise linear's input, a replicated norm weight under sequence parallelism,
+    context parallelism's gathered keys and values.
+    """
+    return tuple(Partial() if isinstance(i, Replicate) and not isinstance(o, Replicate) else i
+                 for i, o in zip(inputs, output, strict=True))
 
 
 class DTensorRepresentation(TensorRepresentation):

@@ -2,10 +2,15 @@
 
 - parameters are DTensors on the 1-D ``tp`` mesh with the plan's placements;
   buffers stay plain tensors;
-- activations travel between modules as plain local tensors: a module that
-  computes with its (DTensor) parameters sees DTensors (``DTensor.from_local``
-  with the declared layout), a redistributing boundary hands the module body a
-  DTensor, and every output leaves as a local tensor;
+- activations travel between modules as plain local tensors; a redistributing
+  boundary wraps its value as a DTensor with the declared layout
+  (``DTensor.from_local``) and lets DTensor redistribute it;
+- the bodies of planned modules run on local shards, as ``local_map`` would: their
+  DTensor parameters and inputs are handed in as ``to_local()`` views, with
+  ``Partial`` gradients where a replicated input feeds a sharded or partial output
+  (:func:`~._dtensor.local_grad_placements`), and the output leaves as the local
+  tensor the plan declares. The plan, not DTensor's sharding propagation, says what
+  each body produces; the boundaries check what arrives as a DTensor;
 - FSDP2 ``fully_shard`` on the ``fsdp`` mesh, or ``(dp_replicate, fsdp)`` for HSDP.
 
 Without tensor parallelism nothing is a DTensor before FSDP: there is no forward mesh.
@@ -24,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
-from ._dtensor import DTensorRepresentation
+from ._dtensor import DTensorRepresentation, local_grad_placements
 
 if TYPE_CHECKING:
     from ..parallel_dims import ParallelDims
@@ -58,11 +63,9 @@ class DefaultRepresentation(DTensorRepresentation):
         return DTensor.from_local(x, self._mesh(), self.placements(layout, data=True), run_check=False)
 
     def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if isinstance(x, DTensor) or any(True for _ in module.parameters(recurse=False)):
-            return self._wrap(x, layout, where)
-        return x  # a module that only passes a local tensor on
+        if isinstance(x, DTensor):
+            self.check_layout(x, layout, where)
+        return x  # local tensors pass as they are; module bodies take local views of DTensors
 
     def redistribute(self, x: Any, src: SpmdLayout, dst: SpmdLayout, *, where: str) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -83,6 +86,47 @@ class DefaultRepresentation(DTensorRepresentation):
             return self.local_body(forward, *args, **kwargs)  # activations stay local
 
         return local_forward
+
+    def module_body(self, module: nn.Module, forward: Callable[..., Any], out_layout: SpmdLayout | None, *,
+                    where: str) -> Callable[..., Any] | None:
+        """A module that owns DTensor parameters computes on local shards, as ``local_map`` would.
+
+        For the call its DTensor parameters (FSDP2's unsharded ones, when it has
+        swapped them in) and DTensor arguments are ``to_local()`` views whose
+        gradients have :func:`~._dtensor.local_grad_placements` against ``out_layout``;
+        the result is local. The plan, not DTensor's sharding propagation, says what the
+        body produces; the boundaries check what arrives as a DTensor.
+        """
+        names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
+        if not names:
+            return None
+        if out_layout is None:
+            raise ValueError(f"plan for {where!r}: a module with parameters needs an output layout "
+                             "(what its body produces).")
+        out = self.placements(out_layout, data=True)
+        grads: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+        def local(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            placements = x.placements
+            if placements not in grads:
+                grads[placements] = local_grad_placements(placements, out)
+            return x.to_local(grad_placements=grads[placements])
+
+        @functools.wraps(forward)
+        def local_params_forward(*args: Any, **kwargs: Any) -> Any:
+            params = module._parameters
+            saved = {n: params[n] for n in names}
+            try:
+                for n, p in saved.items():
+                    params[n] = local(p)
+                result = forward(*(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()})
+            finally:
+                params.update(saved)
+            return result  # local, laid out as out_layout: the output boundary wraps it if it redistributes
+
+        return local_params_forward
 
     def fsdp_spec(self) -> FsdpSpec | None:
         pd = self.parallel_dims

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 try:  # fully_shard(dp_mesh_dims=...) for DTensor parameters on the dense mesh: torch >= 2.13
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -35,7 +35,7 @@ except ImportError:  # torch 2.11: full_dtensor runs without data parallelism on
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
-from ._dtensor import DTensorRepresentation
+from ._dtensor import DTensorRepresentation, local_grad_placements
 
 if TYPE_CHECKING:
     from torch import nn
@@ -142,14 +142,6 @@ class FullDTensorRepresentation(DTensorRepresentation):
             replicate="dp_replicate" if "dp_replicate" in names else None,
         )
         return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
-
-
-def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
-    """The placements of a local region's input gradient: the input's, except ``Partial``
-    where the input is replicated and the output sharded (each rank's output shard
-    depends on the whole input, so each rank holds a part of its gradient)."""
-    return tuple(Partial() if isinstance(i, Replicate) and isinstance(o, Shard) else i
-                 for i, o in zip(inputs, output, strict=True))
 
 
 REPRESENTATION = FullDTensorRepresentation
