@@ -26,6 +26,7 @@ less, so the CPU column is the one to trust on a busy machine.
 ``--ours NAME=PATH`` (repeatable) runs the trainer of another checkout (its
 ``torchtitan_spmd`` first on ``PYTHONPATH``) under this interpreter, e.g. the
 revision before a change; default: this checkout, named ``ours``.
+``NAME=PATH@default+spmd_types`` runs only those backends of that checkout.
 """
 
 from __future__ import annotations
@@ -137,21 +138,26 @@ def run_titan(backend: str, dp: int, tp: int, args: argparse.Namespace, log: Pat
     return _median_step(_timed_lines(cmd, env, work, log, args.timeout), log)
 
 
-def _checkout(spec: str) -> tuple[str, Path]:
-    name, sep, path = spec.partition("=")
+def _checkout(spec: str) -> tuple[str, Path, tuple[str, ...] | None]:
+    name, sep, rest = spec.partition("=")
+    path, _, only = rest.partition("@")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--ours takes NAME=PATH, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"--ours takes NAME=PATH[@BACKEND+BACKEND], got {spec!r}")
     p = Path(path).resolve()
     if not (p / "torchtitan_spmd" / "train.py").is_file():
         raise argparse.ArgumentTypeError(f"--ours {spec!r}: {p} is not a torchtitan_spmd checkout")
-    return name, p
+    backends = tuple(only.split("+")) if only else None
+    bad = [b for b in backends or () if b not in OURS_BACKENDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--ours {spec!r}: unknown backend(s) {bad}; valid: {OURS_BACKENDS}")
+    return name, p, backends
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2, help="alternating rounds (default 2)")
     parser.add_argument("--configs", nargs="+", default=["2x2"], choices=sorted(CONFIGS))
-    parser.add_argument("--ours", type=_checkout, action="append", default=None, metavar="NAME=PATH")
+    parser.add_argument("--ours", type=_checkout, action="append", default=None, metavar="NAME=PATH[@B+B]")
     parser.add_argument("--backends", nargs="+", default=list(OURS_BACKENDS), choices=OURS_BACKENDS)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq", type=int, default=256)
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/torchtitan_compare"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = parser.parse_args(argv)
-    ours = args.ours or [("ours", HERE)]
+    ours = args.ours or [("ours", HERE, None)]
     if not (args.tt_home / "venv" / "bin" / "torchrun").exists() or not (args.peer / "tt_cpu_launch.py").exists():
         parser.error(f"torchtitan 0.3.0 is not set up: need {args.tt_home}/venv (run "
                      f"'bash {args.peer}/side_by_side.sh setup') and {args.peer}/tt_cpu_launch.py")
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.pairs + 1):
             jobs: list[tuple[str, str]] = []
             for b in args.backends:
-                jobs += [(name, b) for name, _ in ours]
+                jobs += [(name, b) for name, _, only in ours if only is None or b in only]
                 if b == "default":
                     jobs.append(("torchtitan", "partial_dtensor"))
                 if b == "full_dtensor":
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 if who == "torchtitan":
                     sec = run_titan(backend, dp, tp, args, log)
                 else:
-                    sec = run_ours(dict(ours)[who], backend, dp, tp, args, log)
+                    sec = run_ours({n: p for n, p, _ in ours}[who], backend, dp, tp, args, log)
                 results.setdefault((cfg, f"{who} {backend}"), []).append(sec)
                 print(f"{cfg} pair {i}: {who} {backend}: {sec[0]:.3f} s/step, {sec[1]:.3f} CPU-s/step",
                       flush=True)
