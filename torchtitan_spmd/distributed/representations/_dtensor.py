@@ -41,6 +41,18 @@ def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
                  for i, o in zip(inputs, output, strict=True))
 
 
+def local_view(x: Any, output: tuple[Any, ...], cache: dict[tuple[Any, ...], tuple[Any, ...]]) -> Any:
+    """``x``'s local shard as an autograd view whose gradient has :func:`local_grad_placements`
+    against the ``output`` placements (``cache``: those already worked out, by input
+    placements); anything but a DTensor is returned as it is."""
+    if not isinstance(x, DTensor):
+        return x
+    placements = x.placements
+    if placements not in cache:
+        cache[placements] = local_grad_placements(placements, output)
+    return x.to_local(grad_placements=cache[placements])
+
+
 class DTensorRepresentation(TensorRepresentation):
     """Shared by the DTensor backends: placements, local views, state-dict views, loss parallel."""
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
-from ._dtensor import DTensorRepresentation, local_grad_placements
+from ._dtensor import DTensorRepresentation, local_view
 
 if TYPE_CHECKING:
     from ..parallel_dims import ParallelDims
@@ -93,7 +93,7 @@ class DefaultRepresentation(DTensorRepresentation):
 
         For the call its DTensor parameters (FSDP2's unsharded ones, when it has
         swapped them in) and DTensor arguments are ``to_local()`` views whose
-        gradients have :func:`~._dtensor.local_grad_placements` against ``out_layout``;
+        gradients have ``local_grad_placements`` against ``out_layout`` (:func:`~._dtensor.local_view`);
         the result is local. The plan, not DTensor's sharding propagation, says what the
         body produces; the boundaries check what arrives as a DTensor.
         """
@@ -107,12 +107,7 @@ class DefaultRepresentation(DTensorRepresentation):
         grads: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
         def local(x: Any) -> Any:
-            if not isinstance(x, DTensor):
-                return x
-            placements = x.placements
-            if placements not in grads:
-                grads[placements] = local_grad_placements(placements, out)
-            return x.to_local(grad_placements=grads[placements])
+            return local_view(x, out, grads)
 
         @functools.wraps(forward)
         def local_params_forward(*args: Any, **kwargs: Any) -> Any:

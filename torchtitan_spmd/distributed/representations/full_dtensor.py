@@ -35,7 +35,7 @@ except ImportError:  # torch 2.11: full_dtensor runs without data parallelism on
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
-from ._dtensor import DTensorRepresentation, local_grad_placements
+from ._dtensor import DTensorRepresentation, local_grad_placements, local_view
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,11 +116,10 @@ class FullDTensorRepresentation(DTensorRepresentation):
     def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,
                      where: str) -> Callable[..., Any]:
         mesh, placements = self._mesh(), self.placements(out_layout, data=True)
+        grads: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
         def local(a: Any) -> Any:
-            if not isinstance(a, DTensor):
-                return a
-            return a.to_local(grad_placements=local_grad_placements(a.placements, placements))
+            return local_view(a, placements, grads)
 
         @functools.wraps(forward)
         def local_forward(*args: Any, **kwargs: Any) -> Any:
