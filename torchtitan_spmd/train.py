@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from torchtitan_spmd.config import (
     check_supported,
 )
 from torchtitan_spmd.data import Tokenizer, build_dataloader
-from torchtitan_spmd.distributed import comm
+from torchtitan_spmd.distributed import comm, hf_checkpoint
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.checkpoint import CheckpointManager
@@ -63,6 +64,9 @@ from torchtitan_spmd.distributed.utils import (
 )
 from torchtitan_spmd.models import get_model_spec
 from torchtitan_spmd.tools.utils import GarbageCollection
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 logger = logging.getLogger("torchtitan_spmd")
 
@@ -198,8 +202,8 @@ class Trainer:
         self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
         self.model_spec = get_model_spec(job_config.model.name)
         self.tokenizer = Tokenizer()
-        self.model_config = self.model_spec.model_config(job_config.model.flavor,
-                                                         vocab_size=self.tokenizer.vocab_size)
+        self.model_config = hf_checkpoint.resolve_model_config(self.model_spec, job_config,
+                                                               vocab_size=self.tokenizer.vocab_size)
         representation_cls = get_representation(par.spmd_backend)
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group
@@ -282,9 +286,15 @@ class Trainer:
             lr_scheduler=self.scheduler, dataloader=self.dataloader, representation=self.representation,
             state_layouts=self.state_layouts, device_type=self.device_type,
             timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
+            sd_adapter=self._sd_adapter(), hf_assets_path=hf_checkpoint.hf_folder(cfg),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
                     "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
         )
+
+    def _sd_adapter(self) -> StateDictAdapter | None:
+        """The family's Hugging Face state-dict adapter for this model config (None: the family has none)."""
+        adapter_cls = self.model_spec.state_dict_adapter
+        return adapter_cls(self.model_config, hf_checkpoint.hf_folder(self.job_config)) if adapter_cls else None
 
     def build_model(self) -> nn.Module:
         """Build the model on the meta device, then compose the techniques, in this order.
