@@ -28,8 +28,13 @@ pytest.importorskip("safetensors")
 FAMILIES = ("llama3", "qwen3")
 
 
-def _perturbed(family: str) -> torch.nn.Module:
-    model = get_model_spec(family).build_initialized("tiny", seed=3)
+def _perturbed(family: str, config: object | None = None) -> torch.nn.Module:
+    spec = get_model_spec(family)
+    if config is None:
+        model = spec.build_initialized("tiny", seed=3)
+    else:  # a config of its own (e.g. no grouped-query attention: Q and K of one shape)
+        model = spec.build(config)
+        model.init_weights(3)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
@@ -52,9 +57,17 @@ def _hf_folder(family: str, path: Path, **changes: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_to_hf_and_config_json_open_in_transformers_with_the_same_logits(family: str) -> None:
-    model = _perturbed(family)
+def _mha_llama() -> object:
+    from torchtitan_spmd.models.llama3 import LlamaConfig
+
+    return LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=320, multiple_of=64,
+                       norm_eps=1e-5, rope_theta=10000.0, max_seq_len=64)
+
+
+@pytest.mark.parametrize(("family", "config"), [("llama3", None), ("qwen3", None), ("llama3", _mha_llama())],
+                         ids=["llama3", "qwen3", "llama3-mha"])
+def test_to_hf_and_config_json_open_in_transformers_with_the_same_logits(family: str, config: object) -> None:
+    model = _perturbed(family, config)
     adapter = get_model_spec(family).state_dict_adapter(model.config)
     hf_config = adapter.hf_config("float32")
     config = transformers.AutoConfig.for_model(**hf_config)
