@@ -7,18 +7,22 @@
   and layout): each rank reads only its shard of every tensor.
 - **Out** (``checkpoint.last_save_in_hf``): the last, model-only save is written with
   :class:`~torch.distributed.checkpoint.HuggingFaceStorageWriter` (every rank its shards,
-  then consolidated into full tensors), at ``checkpoint.export_dtype``, with a
-  ``config.json`` and ``model.safetensors.index.json``, so
-  ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens it as it is.
+  then consolidated by DCP into full tensors, one file or the source's files), at
+  ``checkpoint.export_dtype``, with a ``config.json`` and ``model.safetensors.index.json``,
+  so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens it as it is. The
+  folder is ``step-N`` with the usual completion marker (flagged ``hf_export``: skipped when
+  looking for a checkpoint to resume from).
 
 Names, row orders and ``config.json`` come from the family's adapter
 (:mod:`torchtitan_spmd.models.state_dict_adapter`). A tensor whose rows transformers orders
-differently (llama3's Q/K) cannot go to DCP as a DTensor: a rank's contiguous rows are
-scattered rows of the transformers tensor. It goes as DCP's ``CheckpointableTensor``
+differently (llama3's Q/K) cannot be read as a DTensor: a rank's contiguous rows are
+scattered rows of the transformers tensor. It is read as DCP's ``CheckpointableTensor``
 (torch >= 2.14): one local buffer of this rank's rows in the transformers order, described
-as the runs of contiguous transformers rows it holds, so DCP reads (or writes) exactly those
-rows and no rank holds a full copy. (Hand-rolled because upstream permutes with DTensor
-views, which all-gather a tensor whose heads are split across ranks.)
+as the runs of contiguous transformers rows it holds, so DCP reads exactly those rows and
+no rank holds a full copy. (Hand-rolled because upstream permutes with DTensor views, which
+replicate a tensor whose heads are split across ranks.) To be written it is redistributed
+to a column-sharded DTensor (each rank all rows of its columns, permuted locally): DCP's
+HF writer keeps one chunk per tensor and rank in its shard files.
 
 Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first use.
 """
@@ -26,6 +30,7 @@ Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -59,6 +64,8 @@ HF_EXTRA = "hf"
 _CONFIG = "config.json"
 _INDEX = "model.safetensors.index.json"
 _SUFFIX = ".safetensors"
+
+logger = logging.getLogger("torchtitan_spmd")
 
 
 class MissingExtraError(ImportError, ValueError):
@@ -315,6 +322,8 @@ def save_hf(model_state: Mapping[str, Any], folder: str, adapter: StateDictAdapt
         _write_index(folder)
         with open(os.path.join(folder, _CONFIG), "w") as f:
             json.dump(adapter.hf_config(dtype), f, indent=2, sort_keys=True)
+        logger.info(f"checkpoint: wrote Hugging Face safetensors ({dtype}) with {_CONFIG} and {_INDEX}; "
+                    f"transformers.AutoModelForCausalLM.from_pretrained opens the folder")
     if distributed:
         dist.barrier()
 
