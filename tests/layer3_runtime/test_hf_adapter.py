@@ -132,6 +132,7 @@ def test_setup_errors_name_the_fields(tmp_path: Path) -> None:
         (_job("llama3", folder, last_save_in_hf=True, last_save_model_only=False),
          "checkpoint.last_save_in_hf=True needs checkpoint.last_save_model_only=True"),
         (JobConfig.from_dict({"model": {"flavor": "from_hf"}}), "model.flavor='from_hf' needs a Hugging Face folder"),
+        (_job("llama3", folder, enable=False), r"checkpoint.initial_load_in_hf=True needs checkpoint.enable=True"),
     ]
     for job, message in cases:
         with pytest.raises(ValueError, match=message):

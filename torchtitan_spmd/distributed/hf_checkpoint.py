@@ -126,6 +126,10 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
     ck = job_config.checkpoint
     if not (ck.initial_load_in_hf or ck.last_save_in_hf or job_config.model.flavor == _from_hf()):
         return
+    for name in ("initial_load_in_hf", "last_save_in_hf"):
+        if getattr(ck, name) and not ck.enable:  # upstream ignores them silently then
+            raise ValueError(f"checkpoint.{name}=True needs checkpoint.enable=True (without it nothing is "
+                             f"{'loaded' if name.startswith('initial') else 'saved'}).")
     if ck.initial_load_in_hf and not ck.initial_load_model_only:
         raise ValueError("checkpoint.initial_load_in_hf=True needs checkpoint.initial_load_model_only=True "
                          "(safetensors hold the model only).")
