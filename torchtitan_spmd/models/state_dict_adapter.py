@@ -150,7 +150,16 @@ class StateDictAdapter:
 
     # ------------------------------------------------------------------ config.json
     def config_fields(self, config: Any) -> dict[str, Any]:
-        """config.json field -> the value ``config`` implies (the family's sizes)."""
+        """config.json field -> the value ``config`` implies: the decoder's shared sizes, then
+        :meth:`family_fields`."""
+        return {
+            "vocab_size": config.vocab_size, "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_theta, **self.family_fields(config),
+        }
+
+    def family_fields(self, config: Any) -> dict[str, Any]:
+        """The family's own config.json fields (KV heads, head width, feed-forward width)."""
         raise NotImplementedError
 
     def hf_config(self, dtype: str = "float32") -> dict[str, Any]:

@@ -45,13 +45,9 @@ class Llama3StateDictAdapter(StateDictAdapter):
             return interleaved_to_half_rows(c.kv_heads, c.head_dim)
         return None
 
-    def config_fields(self, config: LlamaConfig) -> dict[str, Any]:
-        return {
-            "vocab_size": config.vocab_size, "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
-            "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
-            "head_dim": config.head_dim, "intermediate_size": config.ffn_hidden_dim,
-            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
-        }
+    def family_fields(self, config: LlamaConfig) -> dict[str, Any]:
+        return {"num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+                "intermediate_size": config.ffn_hidden_dim}
 
     @classmethod
     def model_config_from_hf(cls, hf: Mapping[str, Any], *, where: str = "config.json") -> LlamaConfig:

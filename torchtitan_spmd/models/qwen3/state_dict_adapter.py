@@ -30,13 +30,9 @@ class Qwen3StateDictAdapter(StateDictAdapter):
 
     model_config: Qwen3Config
 
-    def config_fields(self, config: Qwen3Config) -> dict[str, Any]:
-        return {
-            "vocab_size": config.vocab_size, "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
-            "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
-            "head_dim": config.head_dim, "intermediate_size": config.hidden_dim,
-            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
-        }
+    def family_fields(self, config: Qwen3Config) -> dict[str, Any]:
+        return {"num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
+                "intermediate_size": config.hidden_dim}
 
     def hf_config(self, dtype: str = "float32") -> dict[str, Any]:
         layers = self.model_config.n_layers
