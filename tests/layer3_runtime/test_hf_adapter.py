@@ -96,6 +96,7 @@ def test_from_hf_flavor_builds_the_sizes_of_config_json(family: str, tmp_path: P
     assert config.norm_eps == hf_model(family).config.rms_norm_eps
 
 
+@requires_torch("2.14", "Hugging Face checkpoints (DCP's CheckpointableTensor)")
 @pytest.mark.parametrize(("family", "field", "value", "ours"), [
     ("llama3", "num_key_value_heads", 4, 2),
     ("llama3", "intermediate_size", 256, 192),
@@ -109,6 +110,7 @@ def test_config_json_mismatch_names_the_field_and_both_values(family: str, field
         hf_checkpoint.resolve_model_config(get_model_spec(family), _job(family, folder), vocab_size=320)
 
 
+@requires_torch("2.14", "Hugging Face checkpoints (DCP's CheckpointableTensor)")
 def test_config_json_of_another_family_or_variant_is_named(tmp_path: Path) -> None:
     llama = _hf_folder("llama3", tmp_path / "llama")
     with pytest.raises(HFConfigError, match="model_type='llama', but this family reads model_type='qwen3'"):
@@ -123,6 +125,7 @@ def test_config_json_of_another_family_or_variant_is_named(tmp_path: Path) -> No
                                            vocab_size=320)
 
 
+@requires_torch("2.14", "Hugging Face checkpoints (DCP's CheckpointableTensor)")
 def test_setup_errors_name_the_fields(tmp_path: Path) -> None:
     spec = get_model_spec("llama3")
     folder = _hf_folder("llama3", tmp_path)
