@@ -22,6 +22,7 @@ from typing import Any
 from parity_helpers import warm_parent
 
 from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.distributed.checkpoint import find_checkpoints
 from torchtitan_spmd.launcher import run_forked
 
 FAMILIES = ("llama3", "qwen3")
@@ -217,7 +218,7 @@ def check_round_trip(backend: str, layout: str, root: Path, sources: dict[str, P
     1. the step-1 loss is transformers' own cross-entropy of the source model on the same
        global batch, within ``TOL``;
     2. the export written right after loading (no step) holds exactly the source's tensors
-       (names, dtypes, bits);
+       (names, dtypes, bits); neither export is taken for a checkpoint to resume from;
     3. the export after training is in ``EXPORT_DTYPE`` (files and config.json), opens with
        ``AutoModelForCausalLM.from_pretrained``, and its logits equal this library's model
        with the trainer's final weights within ``TOL``.
@@ -239,6 +240,8 @@ def check_round_trip(backend: str, layout: str, root: Path, sources: dict[str, P
         for key, tensor in source.items():
             assert exported[key].dtype == tensor.dtype and exported[key].equal(tensor), f"{family}: {key} differs"
 
+        # both exports carry the completion marker and are neither resumable nor "incomplete"
+        assert find_checkpoints(str(ck)) == ({}, []), (family, find_checkpoints(str(ck)))
         final = ck / f"step-{STEPS}"
         dtypes, config_dtype = exported_dtypes(final)
         assert dtypes == {EXPORT_DTYPE} and config_dtype == EXPORT_DTYPE, (family, dtypes, config_dtype)

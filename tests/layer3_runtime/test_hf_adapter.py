@@ -85,15 +85,16 @@ def test_to_hf_and_config_json_open_in_transformers_with_the_same_logits(family:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_from_hf_flavor_builds_the_sizes_of_config_json(family: str, tmp_path: Path) -> None:
-    folder = _hf_folder(family, tmp_path)
+    folder = _hf_folder(family, tmp_path, rms_norm_eps=3e-6, max_position_embeddings=96,
+                        rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
     spec = get_model_spec(family)
     config = hf_checkpoint.resolve_model_config(spec, _job(family, folder, flavor="from_hf"), vocab_size=320)
+    assert (config.norm_eps, config.rope_theta, config.max_seq_len) == (3e-6, 12345.0, 96)
     with torch.device("meta"):
         ours, tiny = spec.build(config), spec.build(spec.model_config("tiny"))
     shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in tiny.state_dict().items()}
     assert count_parameters(ours) == hf_model(family).num_parameters() == {"llama3": 139_584, "qwen3": 164_288}[family]
-    assert config.norm_eps == hf_model(family).config.rms_norm_eps
 
 
 @requires_torch("2.14", "Hugging Face checkpoints (DCP's CheckpointableTensor)")
