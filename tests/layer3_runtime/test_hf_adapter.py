@@ -182,3 +182,26 @@ def test_load_errors_name_the_folder_and_the_tensor(tmp_path: Path) -> None:
     wide.save_pretrained(str(tmp_path / "wide"))
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(256, 64\) there and \(192, 64\)"):
         hf_checkpoint.load_hf(model.state_dict(), str(tmp_path / "wide"), adapter)
+
+
+@pytest.mark.parametrize(("start", "n_rows"), [(0, 64), (0, 16), (16, 16), (8, 8), (3, 7), (61, 3), (1, 62)])
+def test_row_runs_read_exactly_this_ranks_rows(start: int, n_rows: int) -> None:
+    """A rank holding our rows [start, start + n_rows) of llama3's wq (4 heads of 16) reads them
+    from the transformers tensor through the runs it describes, shard boundaries inside a head
+    and inside a RoPE pair included (what DCP's reader does with a CheckpointableTensor)."""
+    from torchtitan_spmd.distributed.hf_checkpoint import _RowRuns
+    from torchtitan_spmd.models.llama3.state_dict_adapter import interleaved_to_half_rows
+
+    ours = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    idx = interleaved_to_half_rows(4, 16)
+    theirs = ours[idx]  # the transformers tensor
+    local = torch.zeros(n_rows, 8)
+    runs = _RowRuns(local, (start, 0), (64, 8), idx)
+    buf = runs.buffer()
+    covered = 0
+    for g, lo, size in zip(runs.global_offsets, runs.local_offsets, runs.local_sizes, strict=True):
+        buf[lo[0]:lo[0] + size[0]] = theirs[g[0]:g[0] + size[0], g[1]:g[1] + size[1]]
+        covered += size[0]
+    assert covered == n_rows and buf.global_shape == (64, 8)
+    runs.scatter_back(buf)
+    assert local.equal(ours[start:start + n_rows])
