@@ -124,7 +124,7 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
     """Setup-time checks of the HF fields (ValueError naming the field): the combinations
     upstream requires, a folder to read, an adapter for the family, the torch and the extra."""
     ck = job_config.checkpoint
-    if not (ck.initial_load_in_hf or ck.last_save_in_hf or job_config.model.flavor == _from_hf()):
+    if not (ck.initial_load_in_hf or ck.last_save_in_hf or job_config.model.flavor == FROM_HF_FLAVOR):
         return
     for name in ("initial_load_in_hf", "last_save_in_hf"):
         if getattr(ck, name) and not ck.enable:  # upstream ignores them silently then
@@ -136,9 +136,10 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
     if ck.last_save_in_hf and not ck.last_save_model_only:
         raise ValueError("checkpoint.last_save_in_hf=True needs checkpoint.last_save_model_only=True "
                          "(safetensors hold the model only).")
-    if (ck.initial_load_in_hf or job_config.model.flavor == _from_hf()) and hf_folder(job_config) is None:
-        what = "checkpoint.initial_load_in_hf" if ck.initial_load_in_hf else f"model.flavor={_from_hf()!r}"
-        raise ValueError(f"{what} needs a Hugging Face folder: set checkpoint.initial_load_path.")
+    if (ck.initial_load_in_hf or job_config.model.flavor == FROM_HF_FLAVOR) and hf_folder(job_config) is None:
+        what = "checkpoint.initial_load_in_hf" if ck.initial_load_in_hf else f"model.flavor={FROM_HF_FLAVOR!r}"
+        raise ValueError(f"{what} needs a Hugging Face folder: set checkpoint.initial_load_path "
+                         "(or the config's hf_assets_path, where it has one).")
     if spec.state_dict_adapter is None:
         raise ValueError(f"model.name={spec.name!r} has no Hugging Face state-dict adapter "
                          "(ModelSpec.state_dict_adapter); checkpoint.*_in_hf cannot be used.")
@@ -149,10 +150,6 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
         require_safetensors()
 
 
-def _from_hf() -> str:
-    return FROM_HF_FLAVOR
-
-
 def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int) -> Any:
     """The model config of ``model.flavor``: a named flavour (vocabulary ``vocab_size``), or with
     ``from_hf`` the HF folder's ``config.json`` sizes (its own vocabulary, which must hold
@@ -161,7 +158,7 @@ def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: 
     names the first field that differs and both values."""
     validate_hf_config(job_config, spec)
     flavor = job_config.model.flavor
-    if flavor != _from_hf():
+    if flavor != FROM_HF_FLAVOR:
         config = spec.model_config(flavor, vocab_size=vocab_size)
         if job_config.checkpoint.initial_load_in_hf:
             folder = hf_folder(job_config)
