@@ -337,7 +337,7 @@ def _write_index(folder: str) -> None:
     total = 0
     for name in sorted(n for n in os.listdir(folder) if n.endswith(_SUFFIX)):
         with safe_open(os.path.join(folder, name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in f.keys():
                 weight_map[key] = name
                 t = f.get_slice(key)
                 n = 1
