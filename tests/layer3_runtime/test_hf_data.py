@@ -9,6 +9,7 @@ independent packing of the fixture's JSON lines written here with ``json`` and
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import shutil
@@ -18,14 +19,23 @@ from typing import Any
 import pytest
 import torch
 
-from torchtitan_spmd.data import HuggingFaceTokenizer, build_dataloader, build_tokenizer, check_vocab_size
-from torchtitan_spmd.data.hf_tokenizer import MissingExtraError, require
+from torchtitan_spmd._errors import MissingExtraError, require
+from torchtitan_spmd.data import (
+    HuggingFaceTokenizer,
+    build_dataloader,
+    build_tokenizer,
+    check_vocab_size,
+)
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TOKENIZER = ASSETS / "tokenizer"
 C4_TEST = ASSETS / "c4_test" / "data.json"
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+#: What these tests need (the dev extra has them; a GPU box without them skips, naming them).
+MISSING = [m for m in ("tokenizers", "datasets", "tensorboard", "transformers") if importlib.util.find_spec(m) is None]
+NEEDS_HF = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (pip install -e '.[dev]')")
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), NEEDS_HF]
 
 
 def _texts() -> list[str]:

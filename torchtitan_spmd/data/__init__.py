@@ -7,7 +7,11 @@ imported only when a Hugging Face tokenizer or a file dataset is asked for."""
 
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS, build_corpus
 from torchtitan_spmd.data.hf_datasets import PackedTextIterator, load_documents
-from torchtitan_spmd.data.hf_tokenizer import HuggingFaceTokenizer, build_tokenizer, check_vocab_size
+from torchtitan_spmd.data.hf_tokenizer import (
+    HuggingFaceTokenizer,
+    build_tokenizer,
+    check_vocab_size,
+)
 from torchtitan_spmd.data.loader import (
     ShardedBatchIterator,
     build_block,

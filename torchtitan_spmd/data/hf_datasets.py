@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_spmd.data.hf_tokenizer import require
+from torchtitan_spmd._errors import require
 
 __all__ = ["C4_TEST_PATH", "PackedTextIterator", "load_documents"]
 
@@ -96,7 +96,7 @@ def load_documents(dataset: str, dataset_path: str | None) -> Any:
     Raises:
         ValueError: an unknown format, a missing path, no files, files that cannot be read as
             the format, no ``text`` field, no document; one line naming the field and path.
-        MissingExtraError: ``datasets`` is not installed (names the ``hf`` extra).
+        torchtitan_spmd._errors.MissingExtraError: ``datasets`` is not installed (names the ``hf`` extra).
     """
     if dataset not in _FORMATS:
         raise ValueError(f"training.dataset={dataset!r} is not a file dataset; valid: "

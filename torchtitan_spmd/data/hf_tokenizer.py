@@ -25,8 +25,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["HuggingFaceTokenizer", "MissingExtraError", "build_tokenizer", "check_vocab_size", "padded_vocab_size",
-           "require"]
+from torchtitan_spmd._errors import require
+
+__all__ = ["HuggingFaceTokenizer", "build_tokenizer", "check_vocab_size", "padded_vocab_size"]
 
 #: The model's vocabulary is the tokenizer's rounded up to a multiple of this, so that the
 #: embedding and output matrices split evenly over tensor-parallel degrees up to 64 (as the
@@ -34,22 +35,6 @@ __all__ = ["HuggingFaceTokenizer", "MissingExtraError", "build_tokenizer", "chec
 VOCAB_MULTIPLE = 64
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
-
-
-class MissingExtraError(ImportError, ValueError):
-    """An optional dependency is not installed. Also a ``ValueError``: the trainer reports it as
-    a setup error (one line, exit status 2), like a bad config value."""
-
-
-def require(module: str, extra: str, feature: str) -> Any:
-    """Import ``module`` or raise :class:`MissingExtraError` naming the feature and the extra to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise MissingExtraError(f"{feature} needs the {module!r} package: pip install 'torchtitan-spmd[{extra}]' "
-                          f"({err}).") from None
 
 
 def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -78,7 +63,7 @@ class HuggingFaceTokenizer:
     Raises:
         ValueError: ``path`` is not a folder, has no ``tokenizer.json``, or one of its files
             cannot be read (the message names ``model.hf_assets_path`` and the file).
-        MissingExtraError: ``tokenizers`` is not installed (names the ``hf`` extra).
+        torchtitan_spmd._errors.MissingExtraError: ``tokenizers`` is not installed (names the ``hf`` extra).
     """
 
     def __init__(self, path: str) -> None:

@@ -21,7 +21,7 @@ import os
 from datetime import datetime
 from typing import Any
 
-from torchtitan_spmd.data.hf_tokenizer import require
+from torchtitan_spmd._errors import require
 
 __all__ = ["TAGS", "MetricsLogger", "build_metrics_logger"]
 
