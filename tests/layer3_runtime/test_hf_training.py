@@ -114,3 +114,20 @@ def test_a_resume_under_another_layout_continues_on_the_same_curve(base: tuple[P
     for got, ref in zip(resumed["records"], want, strict=True):
         assert abs(got[1] - ref[1]) <= TOL * abs(ref[1]), (got, ref)
         assert abs(got[2] - ref[2]) <= 1e-4 * abs(ref[2]), (got, ref)
+
+
+def test_the_tiny_model_on_fsdp2_matches_the_independent_reference_on_this_data() -> None:
+    """Each rank's rows of the packed JSON lines, trained on FSDP 2, give the float64
+    single-process reference's losses (which reads the whole global batch in one process)."""
+    from parity_helpers import NORM_TOL, job_config, max_rel, run_config
+
+    from torchtitan_spmd.reference import run_reference
+
+    data = job_config("default", LAYOUTS["fsdp2"][1], local_batch=GLOBAL_BATCH // 2, steps=6).to_dict()
+    data["model"]["hf_assets_path"] = str(ASSETS / "tokenizer")
+    data["training"].update({"dataset": "c4_test", "dataset_path": str(ASSETS / "c4_test"), "seq_len": SEQ_LEN})
+    cfg = JobConfig.from_dict(data)
+    got = run_config(cfg, 2)
+    want = run_reference(cfg, global_batch=GLOBAL_BATCH)
+    assert max_rel([loss for loss, _ in got], [loss for loss, _ in want]) < TOL, (got, want)
+    assert max_rel([norm for _, norm in got], [norm for _, norm in want]) < NORM_TOL, (got, want)
