@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from torchtitan_spmd._errors import require
+from torchtitan_spmd.data.loader import steps_read
 
 __all__ = ["C4_TEST_PATH", "PackedTextIterator", "load_documents"]
 
@@ -228,13 +229,6 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         if int(state["documents"]) != self.n_documents:
             raise ValueError(f"the checkpoint's data position is in a dataset of {int(state['documents'])} "
                              f"documents; {self.name} has {self.n_documents}: resume on the same data.")
-        samples = int(state["samples"])
-        if samples % self.global_batch_size:
-            raise ValueError(
-                f"the data position ({samples} samples read) is not a whole number of global batches of "
-                f"{self.global_batch_size} (local_batch_size={self.local_batch_size} x data-parallel degree "
-                f"{self.dp_degree}); resume with a global batch size that divides {samples}."
-            )
-        self.step = samples // self.global_batch_size
+        self.step = steps_read(int(state["samples"]), self.local_batch_size, self.dp_degree)
         self.epoch, self.document, self.offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
         self._cache.clear()

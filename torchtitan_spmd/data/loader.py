@@ -146,13 +146,20 @@ class ShardedBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         _check_int("step", step, 0)
         samples = state.get("samples", step * self.global_batch_size)
         _check_int("samples", samples, 0)
-        if samples % self.global_batch_size:
-            raise ValueError(
-                f"the data position ({samples} samples read) is not a whole number of global batches of "
-                f"{self.global_batch_size} (local_batch_size={self.local_batch_size} x data-parallel degree "
-                f"{self.dp_degree}); resume with a global batch size that divides {samples}."
-            )
-        self.step = samples // self.global_batch_size
+        self.step = steps_read(samples, self.local_batch_size, self.dp_degree)
+
+
+def steps_read(samples: int, local_batch_size: int, dp_degree: int) -> int:
+    """How many global batches of ``local_batch_size x dp_degree`` a saved position of
+    ``samples`` global samples is (``ValueError`` naming both when not a whole number)."""
+    global_batch_size = local_batch_size * dp_degree
+    if samples % global_batch_size:
+        raise ValueError(
+            f"the data position ({samples} samples read) is not a whole number of global batches of "
+            f"{global_batch_size} (local_batch_size={local_batch_size} x data-parallel degree "
+            f"{dp_degree}); resume with a global batch size that divides {samples}."
+        )
+    return samples // global_batch_size
 
 
 def build_dataloader(
