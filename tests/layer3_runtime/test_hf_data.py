@@ -9,7 +9,6 @@ independent packing of the fixture's JSON lines written here with ``json`` and
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import shutil
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_helpers import C4_TEST, NEEDS_HF, TOKENIZER, hf_cache, read_scalars  # noqa: F401 (a fixture)
 
 from torchtitan_spmd._errors import MissingExtraError, require
 from torchtitan_spmd.data import (
@@ -27,15 +27,7 @@ from torchtitan_spmd.data import (
     check_vocab_size,
 )
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-TOKENIZER = ASSETS / "tokenizer"
-C4_TEST = ASSETS / "c4_test" / "data.json"
-
-#: What these tests need (the dev extra has them; a GPU box without them skips, naming them).
-MISSING = [m for m in ("tokenizers", "datasets", "tensorboard", "transformers") if importlib.util.find_spec(m) is None]
-NEEDS_HF = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {', '.join(MISSING)} (pip install -e '.[dev]')")
-
-pytestmark = [pytest.mark.usefixtures("single_thread"), NEEDS_HF]
+pytestmark = [pytest.mark.usefixtures("single_thread", "hf_cache"), NEEDS_HF]
 
 
 def _texts() -> list[str]:
@@ -317,16 +309,6 @@ def test_a_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------ TensorBoard
-def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the one event file under ``folder``, through TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = list(folder.rglob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(events.parent))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_tensorboard_scalars_read_back(tmp_path: Path) -> None:
     from torchtitan_spmd.config import MetricsConfig
     from torchtitan_spmd.tools.metrics import TAGS, build_metrics_logger

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_helpers import ASSETS, NEEDS_HF, hf_cache, read_scalars  # noqa: F401 (a fixture)
 from parity_helpers import warm_parent
-from test_hf_data import ASSETS, NEEDS_HF, read_scalars
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.backend("default"), NEEDS_HF]
+pytestmark = [pytest.mark.multiproc, pytest.mark.backend("default"), pytest.mark.usefixtures("hf_cache"), NEEDS_HF]
 
 STEPS, RESUME_AT, GLOBAL_BATCH, SEQ_LEN = 20, 10, 4, 64
 TOL = 1e-5
@@ -76,7 +76,8 @@ def run(layout: str, dump_folder: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def base(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, dict[str, Any]]:
+    request.getfixturevalue("hf_cache")  # before the forked ranks start
     root = tmp_path_factory.mktemp("hf-base")
     return root, run("fsdp2", root)
 
