@@ -274,6 +274,22 @@ def test_bad_assets_are_one_line_errors(case: str, tmp_path: Path) -> None:
     _one_line(exc)
 
 
+def test_a_tokenizer_without_bos_and_eos_cannot_pack(tmp_path: Path, auto: Any) -> None:
+    """Without tokenizer_config.json there is no BOS or EOS: packing would join documents."""
+    shutil.copy(TOKENIZER / "tokenizer.json", tmp_path)
+    bare = HuggingFaceTokenizer(str(tmp_path))
+    assert (bare.bos_id, bare.eos_id) == (None, None)
+    assert bare.encode("a b", add_bos=True, add_eos=True) == auto("a b").input_ids  # nothing to add
+    with pytest.raises(ValueError, match="has neither a BOS nor an EOS token") as exc:
+        loaders(1, 1, 8, tokenizer=bare)
+    _one_line(exc)
+    # EOS only (as Qwen's tokenizers): documents end with EOS and start with no BOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end_of_text|>"}))
+    (eos_only,) = loaders(1, 1, 8, tokenizer=HuggingFaceTokenizer(str(tmp_path)))
+    first = _texts()[0]
+    assert next(eos_only)[0][0].tolist() == auto(first).input_ids[:8]
+
+
 def test_config_errors_name_the_field() -> None:
     from torchtitan_spmd.config import TrainingConfig
 

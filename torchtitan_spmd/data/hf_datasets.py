@@ -134,6 +134,9 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
     """Infinite iterator of ``(input_ids, labels)``, each int64 ``[local_batch_size, seq_len]``,
     over packed documents (see the module docstring).
 
+    Raises:
+        ValueError: the tokenizer has neither BOS nor EOS (the documents would run together).
+
     Args:
         documents: a sequence of texts or a ``datasets.Dataset`` with a ``text`` column.
         tokenizer: has ``encode_documents(texts) -> list[list[int]]`` (BOS/EOS added).
@@ -143,6 +146,9 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
 
     def __init__(self, documents: Any, tokenizer: Any, *, dp_rank: int, dp_degree: int,
                  local_batch_size: int, seq_len: int, name: str = "the dataset") -> None:
+        if getattr(tokenizer, "bos_id", None) is None and getattr(tokenizer, "eos_id", None) is None:
+            raise ValueError(f"{name}: the tokenizer {tokenizer!r} has neither a BOS nor an EOS token to separate "
+                             "the packed documents (tokenizer_config.json names them: bos_token, eos_token).")
         self.documents = documents
         self.tokenizer = tokenizer
         self.dp_rank = dp_rank
