@@ -39,7 +39,7 @@ from torchtitan_spmd.config import (
     OptimizerConfig,
     check_supported,
 )
-from torchtitan_spmd.data import Tokenizer, build_dataloader
+from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_size
 from torchtitan_spmd.distributed import comm, hf_checkpoint
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
 from torchtitan_spmd.distributed.apply_plan import apply_plan
@@ -63,6 +63,7 @@ from torchtitan_spmd.distributed.utils import (
     spmd_backend_scope,
 )
 from torchtitan_spmd.models import get_model_spec
+from torchtitan_spmd.tools.metrics import build_metrics_logger
 from torchtitan_spmd.tools.utils import GarbageCollection
 
 if TYPE_CHECKING:
@@ -201,9 +202,13 @@ class Trainer:
         par = job_config.parallelism
         self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
         self.model_spec = get_model_spec(job_config.model.name)
-        self.tokenizer = Tokenizer()
-        self.model_config = hf_checkpoint.resolve_model_config(self.model_spec, job_config,
-                                                               vocab_size=self.tokenizer.vocab_size)
+        # model.hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
+        # is the tokenizer's (padded to a multiple of 64).
+        self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+        self.model_config = hf_checkpoint.resolve_model_config(
+            self.model_spec, job_config, vocab_size=self.tokenizer.model_vocab_size)
+        check_vocab_size(self.model_config.vocab_size, self.tokenizer,
+                         model=f"{job_config.model.name}/{job_config.model.flavor}")
         representation_cls = get_representation(par.spmd_backend)
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group
@@ -257,7 +262,10 @@ class Trainer:
             dp_rank=dp_rank, dp_degree=dp_degree,
             local_batch_size=rows,
             seq_len=training.seq_len, seed=self.seed,
+            dataset=training.dataset, dataset_path=training.dataset_path, tokenizer=self.tokenizer,
         )
+        #: ``metrics.enable_tensorboard``: rank 0 writes the logged steps' scalars.
+        self.metrics = build_metrics_logger(job_config.metrics, job_config.job.dump_folder, writes=self.rank == 0)
         train_context = functools.partial(
             get_train_context,
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
@@ -403,6 +411,7 @@ class Trainer:
                 self.use_train_timeout()
             if self.rank == 0 and (step % log_freq == 0 or step == steps):
                 logger.info(record.log_line())
+                self.metrics.log(record)
             self.checkpointer.save(step, last_step=step == steps)
         self.checkpointer.wait()
         return records
@@ -423,6 +432,9 @@ class Trainer:
         gc_handler = getattr(self, "gc_handler", None)
         if gc_handler is not None:
             gc_handler.close()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
 

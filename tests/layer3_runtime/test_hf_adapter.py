@@ -150,7 +150,7 @@ def test_setup_errors_name_the_fields(tmp_path: Path) -> None:
 
 def test_missing_safetensors_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(hf_checkpoint.MissingExtraError, match=r'pip install "torchtitan-spmd\[hf\]"') as info:
+    with pytest.raises(hf_checkpoint.MissingExtraError, match=r"pip install 'torchtitan-spmd\[hf\]'") as info:
         hf_checkpoint.require_safetensors()
     assert isinstance(info.value, ValueError) and isinstance(info.value, ImportError)
 

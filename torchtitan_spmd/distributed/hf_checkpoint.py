@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from torchtitan_spmd._errors import MissingExtraError, require
 from torchtitan_spmd.models.state_dict_adapter import FROM_HF_FLAVOR, HFConfigError
 
 if TYPE_CHECKING:
@@ -68,18 +69,10 @@ _SUFFIX = ".safetensors"
 logger = logging.getLogger("torchtitan_spmd")
 
 
-class MissingExtraError(ImportError, ValueError):
-    """An optional package is missing; the message names the extra that installs it."""
-
-
 def require_safetensors() -> None:
     """Import ``safetensors`` or raise :class:`MissingExtraError` naming the ``[hf]`` extra."""
-    try:
-        import safetensors  # noqa: F401
-    except ImportError:
-        raise MissingExtraError(
-            "Hugging Face checkpoints (checkpoint.initial_load_in_hf, checkpoint.last_save_in_hf) need the "
-            f"safetensors package: pip install \"torchtitan-spmd[{HF_EXTRA}]\"") from None
+    require("safetensors", HF_EXTRA,
+            "Hugging Face checkpoints (checkpoint.initial_load_in_hf, checkpoint.last_save_in_hf)")
 
 
 def _has_checkpointable_tensor() -> bool:
