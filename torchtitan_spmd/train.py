@@ -198,8 +198,10 @@ class Trainer:
         self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
         self.model_spec = get_model_spec(job_config.model.name)
         self.tokenizer = Tokenizer()
+        # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
         self.model_config = self.model_spec.model_config(job_config.model.flavor,
-                                                         vocab_size=self.tokenizer.vocab_size)
+                                                         vocab_size=self.tokenizer.vocab_size,
+                                                         max_seq_len=job_config.training.seq_len)
         representation_cls = get_representation(par.spmd_backend)
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group

@@ -1,12 +1,15 @@
-"""Layer 3: context parallelism -- the algorithm, its setup errors, and full_dtensor parity.
+"""Layer 3: context parallelism -- the algorithm, its setup errors, RoPE sizing, full_dtensor parity.
 
-- The algorithm (one process, no collectives): which tokens a rank holds under each load
-  balancer, and that attention of a rank's queries over every rank's keys, under
-  :meth:`ContextParallel.attention_mask`, equals that rank's rows of full causal attention.
-- Setup errors: default + CP names the CP backends; bad balancer, rotate method, seq_len.
-- full_dtensor: CP 2, CP 2 x TP 2 (sequence parallel) and FSDP 2 x CP 2 within 1e-5 of
-  one process (default backend, no CP) over 5 steps, ranks identical (real gloo ranks).
-  The spmd_types runs are in ``tests/layer4_spmd_types/test_context_parallel_spmd.py``.
+- The algorithm: which tokens a rank holds under each load balancer; torch's ring attention
+  (:meth:`ContextParallel.attention`) on real gloo ranks at cp 2 and 4, both rotate methods,
+  both balancers, GQA: output and gradients equal one process's causal attention rows.
+- Setup errors: default + CP names the CP backends; bad balancer, rotate method, seq_len;
+  ``seq_len_divisor`` has one definition; RoPE tables follow ``training.seq_len``.
+- full_dtensor parity with the independent reference (float64) within 1e-5 over 5 steps
+  (:data:`cp_helpers.CP_CELLS`: cp 2, cp 4, CP 2 x TP 2, FSDP 2 x CP 2, each rotate method,
+  both families), ranks identical (real gloo ranks); no tensor of ``S x S/cp`` elements is
+  allocated in a training step. The spmd_types runs are in
+  ``tests/layer4_spmd_types/test_context_parallel_spmd.py``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,21 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from cp_helpers import CP_CONFIGS, check_cp_parity, cp_job_config
-from parity_helpers import run_config
+from cp_helpers import (
+    CP_CELLS,
+    CP_CONFIGS,
+    MASK_SEQ,
+    check_cp_parity,
+    cp_job_config,
+    largest_step_tensor,
+    mask_job_config,
+)
+from parity_helpers import run_config, warm_parent
 from version_helpers import torch_at_least
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.distributed.context_parallel import ContextParallel, seq_len_divisor
+from torchtitan_spmd.launcher import run_forked
 
 
 # --------------------------------------------------------------------------- the algorithm
@@ -43,25 +55,59 @@ def test_which_tokens_a_rank_holds(balancer: str | None, expected: dict[int, lis
         assert cp.positions(3, 8).tolist() == [idx] * 3
 
 
-@pytest.mark.parametrize("balancer", ["headtail", None])
+def _ring_vs_full(rank: int, world: int, cases: list[tuple[str, str | None, int]]) -> list[list[float]]:
+    """Per case ``(rotate, balancer, kv_heads)``: the largest differences of this rank's output and
+    query/key/value gradients of :meth:`ContextParallel.attention` from its rows of one
+    process's causal SDPA on the full sequence (float64 inputs)."""
+    import torch.distributed as dist
+
+    out = []
+    for rotate, balancer, kv_heads in cases:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, 32, 8, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(2, kv_heads, 32, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        grad = torch.randn(2, 4, 32, 8, generator=gen, dtype=torch.float64)
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        full = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=kv_heads != 4)
+        full.backward(grad)
+        cp = ContextParallel(degree=world, rank=rank, load_balancer=balancer, rotate_method=rotate,
+                             group=dist.group.WORLD)
+        ql, kl, vl = (cp.shard(t, dim=2).requires_grad_() for t in (q, k, v))
+        got = cp.attention(ql, kl, vl)
+        assert kl.shape[1] == kv_heads  # GQA: the exchanged keys keep n_kv_heads
+        got.backward(cp.shard(grad, dim=2))
+        pairs = [(got, full), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]
+        out.append([(a - cp.shard(b, dim=2)).abs().max().item() for a, b in pairs])
+    return out
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("degree", [2, 4])
-def test_masked_attention_over_gathered_keys_is_causal_attention(balancer: str | None, degree: int) -> None:
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    ranks = [ContextParallel(degree=degree, rank=r, load_balancer=balancer) for r in range(degree)]
-    k_all = torch.cat([cp.shard(k, dim=2) for cp in ranks], dim=2)  # the all-gather, in rank order
-    v_all = torch.cat([cp.shard(v, dim=2) for cp in ranks], dim=2)
-    for cp in ranks:
-        mask = cp.attention_mask(16 // degree, 16, dtype=q.dtype, device=q.device)
-        got = F.scaled_dot_product_attention(cp.shard(q, dim=2), k_all, v_all, attn_mask=mask)
-        torch.testing.assert_close(got, cp.shard(full, dim=2), rtol=1e-12, atol=1e-12)
+def test_ring_attention_is_causal_attention(degree: int) -> None:
+    """torch's ring attention on real gloo ranks, both rotate methods, both balancers, GQA and
+    MHA: output and every gradient equal full causal attention's rows of this rank (the
+    diagonal chunk causal, chunk order, the LSE merge, dK/dV rotated back to their owners)."""
+    cases = [(r, b, h) for r in ("allgather", "alltoall") for b in ("headtail", None) for h in (4, 2)]
+    per_rank = run_forked(_ring_vs_full, degree, cases, timeout_s=120)
+    for rank, diffs in enumerate(per_rank):
+        for case, d in zip(cases, diffs, strict=True):
+            # float32 merge (torch's convert_to_f32) of float64 inputs: ~1e-6 off.
+            assert max(d) < 1e-5, (rank, case, d)
 
 
-def test_attention_without_the_gather_is_a_clear_error() -> None:
+def test_ring_attention_names_bad_arguments() -> None:
+    from torchtitan_spmd.distributed.context_parallel import ring_attention
+
+    q = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"rotate_method='ring'; valid values are 'allgather', 'alltoall'"):
+        ring_attention(q, q, q, None, rotate_method="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="4 query heads are not a multiple of 3"):
+        ring_attention(q, torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 8), None)  # type: ignore[arg-type]
     cp = ContextParallel(degree=2, rank=0)
-    with pytest.raises(ValueError, match=r"keys and values must be gathered over cp first"):
-        cp.attention_mask(8, 8, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs the cp process group"):
+        cp.attention(q, q, q)
+    with pytest.raises(ValueError, match=r"rotate_method='alltoal'; valid values are 'allgather', 'alltoall'"):
+        ContextParallel(degree=2, rank=0, rotate_method="alltoal")
 
 
 # --------------------------------------------------------------------------- setup errors
@@ -88,8 +134,8 @@ def test_default_backend_with_cp_names_the_cp_backends(fake_pg: Callable[[int], 
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
-        ({"context_parallel_rotate_method": "alltoall"},
-         ["context_parallel_rotate_method='alltoall'", "ring attention", "'allgather'"]),
+        ({"context_parallel_rotate_method": "all_to_all"},
+         ["parallelism.context_parallel_rotate_method", "'all_to_all'", "'allgather', 'alltoall'"]),
         ({"context_parallel_load_balancer": "ptrr"},
          ["context_parallel_load_balancer='ptrr'", "'headtail', None"]),
         ({"seq_len": 12}, ["training.seq_len=12", "divisible by 8 = 2 x context_parallel_degree (4)"]),
@@ -105,16 +151,42 @@ def test_bad_cp_configs_fail_at_setup(fake_pg: Callable[[int], None], overrides:
     seq_len = par.pop("seq_len", 16)
     fake_pg(par["context_parallel_degree"] * par.get("tensor_parallel_degree", 1))
     with pytest.raises(ValueError) as err:
-        Trainer(_cfg("full_dtensor", seq_len=seq_len, **par))
+        cfg = _cfg("full_dtensor", seq_len=seq_len, **par)  # a misspelt rotate method fails here
+        Trainer(cfg)
     for needle in needles:
         assert needle in str(err.value), str(err.value)
 
 
-def test_seq_len_divisor_is_torchtitans() -> None:
+def test_seq_len_divisor_is_torchtitans_and_has_one_definition(fake_pg: Callable[[int], None]) -> None:
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+
     par = _cfg("full_dtensor", context_parallel_degree=4, tensor_parallel_degree=2).parallelism
     assert seq_len_divisor(par) == 2 * 2 * 4  # tp * 2 * cp
+    pd = ParallelDims.from_config(par, 8, device_type="cpu")
+    assert pd.seq_len_divisor == seq_len_divisor(par)  # the mesh layer's view agrees
     par.context_parallel_load_balancer = None
     assert seq_len_divisor(par) == 2 * 4
+    par.enable_sequence_parallel = False
+    assert seq_len_divisor(par) == 4  # TP without SP does not split the sequence
+    par.context_parallel_degree, par.context_parallel_load_balancer = 1, "headtail"
+    assert seq_len_divisor(par) == 1  # no CP: no chunks
+
+
+def test_rope_tables_cover_training_seq_len(fake_pg: Callable[[int], None]) -> None:
+    """``training.seq_len`` beyond the flavour's ``max_seq_len`` (512 for ``tiny``) sizes the RoPE
+    tables (upstream's ``update_from_config``); they are buffers, not checkpoint state."""
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(1)
+    for model in ("llama3", "qwen3"):
+        cfg = _cfg("full_dtensor", seq_len=2048)
+        cfg.model.name = model
+        trainer = Trainer(cfg)
+        assert trainer.model_config.max_seq_len == 2048, model
+        cos = trainer.model.rope_cos
+        assert tuple(cos.shape) == (2048, trainer.model_config.head_dim // 2), model
+        assert not any("rope" in k for k in trainer.model.state_dict()), model
+        trainer.close()
 
 
 # --------------------------------------------------------------------------- parity (full_dtensor)
@@ -127,13 +199,15 @@ def _skip_old_torch() -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("config_name", sorted(CP_CONFIGS))
-def test_full_dtensor_cp_parity_with_single_process(config_name: str) -> None:
+@pytest.mark.parametrize(("config_name", "rotate", "model"), CP_CELLS["full_dtensor"])
+def test_full_dtensor_cp_parity_with_reference(config_name: str, rotate: str, model: str) -> None:
     _skip_old_torch()
     world, _ = CP_CONFIGS[config_name]
-    got = run_config(cp_job_config("full_dtensor", config_name), world)  # ranks identical, or it raises
-    loss_diff, norm_diff = check_cp_parity(got, config_name)
-    print(f"\nfull_dtensor {config_name}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
+    cfg = cp_job_config("full_dtensor", config_name, model=model, context_parallel_rotate_method=rotate)
+    got = run_config(cfg, world)  # ranks identical, or it raises
+    loss_diff, norm_diff = check_cp_parity(got, config_name, model=model)
+    print(f"\nfull_dtensor {config_name} {rotate} {model}: max rel diff loss {loss_diff:.1e} "
+          f"grad_norm {norm_diff:.1e}")
 
 
 @pytest.mark.parametrize(("dp_shard", "cp"), [(1, 2), (2, 2)])
@@ -162,3 +236,16 @@ def test_fsdp_shards_parameters_over_dp_shard_x_cp(fake_pg: Callable[[int], None
         names = spec.mesh.mesh_dim_names or ()
         assert "cp" in shard, (backend, shard)
         assert math.prod(spec.mesh.size(names.index(a)) for a in shard) == dp_shard * cp, (backend, shard)
+
+
+@pytest.mark.multiproc
+def test_no_sequence_squared_tensor_in_a_cp_step() -> None:
+    """No op of a training step returns a tensor of ``S x S/cp`` elements (the old additive
+    mask was ``[S/cp, S]``): the largest is the logits."""
+    _skip_old_torch()
+    warm_parent()
+    per_rank = run_forked(largest_step_tensor, 2, mask_job_config("full_dtensor"), timeout_s=300)
+    limit = MASK_SEQ * MASK_SEQ // 2
+    for numel, op in per_rank:
+        assert 0 < numel < limit, (numel, op, limit)
+    print(f"\nlargest tensor of a cp 2 step at seq {MASK_SEQ}: {per_rank[0]} (S x S/cp = {limit})")
