@@ -107,3 +107,18 @@ def mask_job_config(backend: str) -> Any:
     cfg.training.seq_len, cfg.training.local_batch_size, cfg.training.steps = MASK_SEQ, 1, 1
     cfg.debug.spmd_typechecking = False
     return cfg
+
+
+def check_no_sequence_squared_tensor(backend: str) -> tuple[int, str]:
+    """Assert that no op of a cp 2 step at ``MASK_SEQ`` tokens under ``backend`` returns a tensor
+    of ``S x S/cp`` elements (the old additive mask was ``[S/cp, S]``); returns rank 0's largest."""
+    from parity_helpers import warm_parent
+
+    from torchtitan_spmd.launcher import run_forked
+
+    warm_parent()
+    per_rank = run_forked(largest_step_tensor, 2, mask_job_config(backend), timeout_s=300)
+    limit = MASK_SEQ * MASK_SEQ // 2
+    for numel, op in per_rank:
+        assert 0 < numel < limit, (numel, op, limit)
+    return per_rank[0]

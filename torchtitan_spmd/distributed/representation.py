@@ -140,7 +140,7 @@ class TensorRepresentation(ABC):
     #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
     supports_typechecking: ClassVar[bool] = False
     #: Whether this backend runs context parallelism (``context_parallel_degree > 1``):
-    #: sequence-sharded activations and the plan's key/value gather over ``cp``.
+    #: sequence-sharded activations and ring attention over ``cp``.
     supports_context_parallel: ClassVar[bool] = False
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
