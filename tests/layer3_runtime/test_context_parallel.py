@@ -169,6 +169,21 @@ def test_seq_len_divisor_is_torchtitans_and_has_one_definition(fake_pg: Callable
     assert seq_len_divisor(par) == 4  # TP without SP does not split the sequence
     par.context_parallel_degree, par.context_parallel_load_balancer = 1, "headtail"
     assert seq_len_divisor(par) == 1  # no CP: no chunks
+    no_cp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2, device_type="cpu")
+    assert no_cp.seq_len_divisor == 2  # sequence parallelism only (not tp * cp * 2 = 4)
+
+
+def test_the_cp_backend_check_has_one_home() -> None:
+    """``representation.py`` does not import ``context_parallel`` (which imports it): the backend
+    check runs once, in ``validate_context_parallel``, not again in ``TensorRepresentation.validate``."""
+    import ast
+    import inspect
+
+    from torchtitan_spmd.distributed import representation
+
+    tree = ast.parse(inspect.getsource(representation))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m.endswith("context_parallel") for m in imported), imported
 
 
 def _rope_rows(rank: int, world: int, cfg: JobConfig) -> tuple[int, tuple[int, ...], list[str]]:
