@@ -15,7 +15,9 @@ batch is one sequence), the ``llama3`` flavour ``--flavor`` (default ``tiny``) w
 - **saved for backward, one layer**: the bytes ``layers.0`` saves for backward (unique
   storages, counted by ``torch.autograd.graph.saved_tensors_hooks`` around its forward) in
   the last step -- the activations that must fit;
-- **step time**: the median over the measured steps (after ``--warmup``), rank 0.
+- **step time**: the median over the measured steps (after ``--warmup``): rank 0's wall time,
+  and the busiest rank's CPU time (``time.process_time``, one thread per rank), which a
+  loaded machine or ranks sharing cores distort far less than wall time.
 
 The one-process rows are the same model without context parallelism (``spmd_backend="default"``,
 nothing distributed). Times depend on
@@ -92,15 +94,17 @@ def _rank(rank: int, world: int, cfg: JobConfig, warmup: int) -> dict[str, Any]:
     layer.register_forward_pre_hook(enter)
     layer.register_forward_hook(leave)
     rss_setup = _rss_mib()
-    times, last = [], 0
+    times, cpu, last = [], [], 0
     for step in range(1, cfg.training.steps + 1):
         saved.clear()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         record = trainer.step(step)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         last = sum(saved.values())
     trainer.close()
-    return {"saved_layer_bytes": last, "step_s": times[warmup:] or times, "loss": record.loss,
+    return {"saved_layer_bytes": last, "step_s": times[warmup:] or times, "cpu_s": cpu[warmup:] or cpu,
+            "loss": record.loss,
             "rss_setup_mib": rss_setup, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -114,6 +118,7 @@ def _run(args: argparse.Namespace, *, seq_len: int, cp: int, backend: str, rotat
         "setup": max(r["rss_setup_mib"] for r in per_rank),
         "saved": max(r["saved_layer_bytes"] for r in per_rank),
         "step": statistics.median(per_rank[0]["step_s"]),
+        "cpu": max(statistics.median(r["cpu_s"]) for r in per_rank),
         "loss": per_rank[0]["loss"],
     }
 
@@ -153,16 +158,18 @@ def saved(args: argparse.Namespace) -> None:
 
 def step_time(args: argparse.Namespace) -> None:
     """Median step time of ``--seq-len`` over ``--cp`` ranks against one process at the same length."""
-    print("| backend | rotate | job | median step (s) | loss after the steps | time / one process |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| backend | rotate | job | median step, wall (s) | wall / one process | CPU time per step, "
+          "busiest rank (s) | CPU / one process | loss after the steps |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for backend in args.backends.split(","):
         one = _run(args, seq_len=args.seq_len, cp=1, backend=ONE_PROCESS)
-        print(f"| {ONE_PROCESS} | - | 1 process, seq {args.seq_len} | {one['step']:.2f} | {one['loss']:.6f} | 1.00 |",
-              flush=True)
+        print(f"| {ONE_PROCESS} | - | 1 process, seq {args.seq_len} | {one['step']:.2f} | 1.00 | {one['cpu']:.2f} "
+              f"| 1.00 | {one['loss']:.7f} |", flush=True)
         for rotate in args.rotates.split(","):
             got = _run(args, seq_len=args.seq_len, cp=args.cp, backend=backend, rotate=rotate)
             print(f"| {backend} | {rotate} | cp {args.cp}, seq {args.seq_len} | {got['step']:.2f} | "
-                  f"{got['loss']:.6f} | {got['step'] / one['step']:.2f} |", flush=True)
+                  f"{got['step'] / one['step']:.2f} | {got['cpu']:.2f} | {got['cpu'] / one['cpu']:.2f} "
+                  f"| {got['loss']:.7f} |", flush=True)
 
 
 def main() -> None:

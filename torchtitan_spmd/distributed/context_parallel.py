@@ -330,7 +330,24 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if mesh is None:
             raise ValueError("ring_attention: this torch's ring attention takes the cp DeviceMesh; pass mesh=.")
         where = mesh
+    if torch.compiler.is_compiling() and where is None:
+        return _traced_ring_attention(query, key, value, group.group_name, rotate_method, load_balance)
     return _RingAttention.apply(query, key, value, group, rotate_method, load_balance, where)
+
+
+def _ring_attention_by_name(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group_name: str,
+                            rotate_method: str, load_balance: bool) -> torch.Tensor:
+    """:class:`_RingAttention` with the group by name: under ``torch.compile`` (a block compiled
+    with ``fullgraph``) it is marked ``nonstrict_trace``, so Dynamo does not step into torch's
+    ring loop (Python control flow over a process group); AOT autograd traces its functional
+    collectives and the autograd Function into the block's graph instead."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _RingAttention.apply(query, key, value, _resolve_process_group(group_name), rotate_method,
+                                load_balance, None)
+
+
+_traced_ring_attention = torch._dynamo.nonstrict_trace(_ring_attention_by_name)
 
 
 # --------------------------------------------------------------------------- one rank's share
