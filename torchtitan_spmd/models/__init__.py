@@ -93,12 +93,14 @@ class ModelSpec:
             changes["max_seq_len"] = max_seq_len
         return dataclasses.replace(config, **changes) if changes else config
 
-    def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None) -> nn.Module:
-        """Flavour ``flavor`` built full-size on CPU (float32) and initialised with ``seed``.
+    def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None,
+                          max_seq_len: int | None = None) -> nn.Module:
+        """Flavour ``flavor`` built full-size on CPU (float32) and initialised with ``seed``
+        (``vocab_size``, ``max_seq_len``: as :meth:`model_config`).
 
         Built on the meta device first, so the caller's RNG is left alone.
         """
-        config = self.model_config(flavor, vocab_size=vocab_size)
+        config = self.model_config(flavor, vocab_size=vocab_size, max_seq_len=max_seq_len)
         with torch.device("meta"):
             model = self.build(config)
         model.to_empty(device="cpu")
