@@ -60,8 +60,20 @@ def _ring_vs_full(rank: int, world: int, cases: list[tuple[str, str | None, int]
     process's causal SDPA on the full sequence (float64 inputs)."""
     import torch.distributed as dist
 
+    from torchtitan_spmd.distributed.context_parallel import _torch_cp
+
+    sent: list[int] = []  # what torch's rotaters exchange (keys and values, or their gradients)
+    for cls in (_torch_cp._AllGatherRotater, _torch_cp._AllToAllRotater):
+        real = cls.exchange_buffers
+
+        def spy(self: object, buffer: torch.Tensor, _real: object = real) -> None:
+            sent.append(buffer.numel())
+            _real(self, buffer)  # type: ignore[operator]
+
+        cls.exchange_buffers = spy  # type: ignore[method-assign]
     out = []
     for rotate, balancer, kv_heads in cases:
+        sent.clear()
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(2, 4, 32, 8, generator=gen, dtype=torch.float64)
         k, v = (torch.randn(2, kv_heads, 32, 8, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -73,8 +85,9 @@ def _ring_vs_full(rank: int, world: int, cases: list[tuple[str, str | None, int]
                              group=dist.group.WORLD)
         ql, kl, vl = (cp.shard(t, dim=2).requires_grad_() for t in (q, k, v))
         got = cp.attention(ql, kl, vl)
-        assert kl.shape[1] == kv_heads  # GQA: the exchanged keys keep n_kv_heads
         got.backward(cp.shard(grad, dim=2))
+        # GQA: every exchanged buffer is this rank's keys and values with n_kv_heads (no repeat)
+        assert sent and set(sent) == {2 * kl.numel()}, (set(sent), kl.shape)
         pairs = [(got, full), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]
         out.append([(a - cp.shard(b, dim=2)).abs().max().item() for a, b in pairs])
     return out
