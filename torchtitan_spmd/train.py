@@ -206,7 +206,9 @@ class Trainer:
         # is the tokenizer's (padded to a multiple of 64).
         self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
         self.model_config = hf_checkpoint.resolve_model_config(
-            self.model_spec, job_config, vocab_size=self.tokenizer.model_vocab_size)
+            self.model_spec, job_config, vocab_size=self.tokenizer.model_vocab_size,
+            # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
+            max_seq_len=job_config.training.seq_len)
         check_vocab_size(self.model_config.vocab_size, self.tokenizer,
                          model=f"{job_config.model.name}/{job_config.model.flavor}")
         representation_cls = get_representation(par.spmd_backend)

@@ -20,7 +20,8 @@ def _views_of_the_trainer(rank: int, world: int, backend: str, config_name: str,
 
     cfg = job_config(backend, PARITY_CONFIGS[config_name][1], model=model, steps=1)
     trainer = Trainer(cfg)
-    reference = get_model_spec(model).build_initialized("tiny", seed=cfg.debug.seed, vocab_size=320)
+    reference = get_model_spec(model).build_initialized("tiny", seed=cfg.debug.seed, vocab_size=320,
+                                                        max_seq_len=cfg.training.seq_len)  # as the trainer
     full = dict(reference.named_parameters()) | dict(reference.named_buffers())
     mismatched, not_shared, kinds = [], [], set()
     for fqn, state in trainer.state_layouts.items():

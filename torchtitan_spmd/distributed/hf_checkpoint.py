@@ -29,6 +29,7 @@ Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -143,16 +144,18 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
         require_safetensors()
 
 
-def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int) -> Any:
+def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int,
+                         max_seq_len: int | None = None) -> Any:
     """The model config of ``model.flavor``: a named flavour (vocabulary ``vocab_size``), or with
     ``from_hf`` the HF folder's ``config.json`` sizes (its own vocabulary, which must hold
-    ``vocab_size`` ids). With ``checkpoint.initial_load_in_hf`` the folder's ``config.json``
+    ``vocab_size`` ids). ``max_seq_len`` (the RoPE tables' rows, from ``training.seq_len``)
+    replaces the config's when given, for either. With ``checkpoint.initial_load_in_hf`` the folder's ``config.json``
     must match the flavour: :class:`~torchtitan_spmd.models.state_dict_adapter.HFConfigError`
     names the first field that differs and both values."""
     validate_hf_config(job_config, spec)
     flavor = job_config.model.flavor
     if flavor != FROM_HF_FLAVOR:
-        config = spec.model_config(flavor, vocab_size=vocab_size)
+        config = spec.model_config(flavor, vocab_size=vocab_size, max_seq_len=max_seq_len)
         if job_config.checkpoint.initial_load_in_hf:
             folder = hf_folder(job_config)
             assert folder is not None and spec.state_dict_adapter is not None
@@ -166,6 +169,8 @@ def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: 
     if config.vocab_size < vocab_size:
         raise HFConfigError(f"{where}: vocab_size={config.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} ids.")
+    if max_seq_len is not None and any(f.name == "max_seq_len" for f in dataclasses.fields(config)):
+        config = dataclasses.replace(config, max_seq_len=max_seq_len)
     return config
 
 

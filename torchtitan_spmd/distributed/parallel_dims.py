@@ -72,6 +72,7 @@ __all__ = [
     "ParallelDimsError",
     "SpmdLayout",
     "device_type",
+    "seq_len_divisor",
     "unfold_dp_axes",
 ]
 
@@ -810,5 +811,18 @@ class ParallelDims:
 
     @property
     def seq_len_divisor(self) -> int:
-        """``tp * cp * 2``: sequence parallelism splits by tp, load-balanced CP by 2 * cp."""
-        return self.tp * self.cp * 2
+        """What ``training.seq_len`` must divide by: :func:`seq_len_divisor` with headtail CP and
+        sequence parallelism (torchtitan's ``tp * 2 * cp`` when ``cp > 1``)."""
+        return seq_len_divisor(cp=self.cp, tp=self.tp)
+
+
+def seq_len_divisor(*, cp: int, tp: int, load_balancer: str | None = "headtail",
+                    sequence_parallel: bool = True) -> int:
+    """What ``training.seq_len`` must be a multiple of under these CP and TP degrees (the one definition).
+
+    ``headtail`` CP cuts a sequence into ``2 * cp`` chunks (no balancing: ``cp``; no CP: 1);
+    sequence parallelism then splits each rank's slice over ``tp`` (without it, TP does
+    not split the sequence). torchtitan's ``seq_len_divisor`` is the first case, ``tp * 2 * cp``.
+    """
+    divisor = 2 * cp if load_balancer == "headtail" and cp > 1 else cp
+    return divisor * tp if sequence_parallel else divisor

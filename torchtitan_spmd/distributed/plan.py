@@ -102,7 +102,7 @@ class ShardingPlan:
             (vocab-sharded logits when loss parallel is on).
         fsdp_units: patterns of the modules FSDP wraps individually (then the root).
         attention: patterns of the causal attention kernels (``local_compute``
-            modules with ``forward(q, k, v, *, attn_mask=None)``, heads-first) whose
+            modules with a causal ``forward(q, k, v)``, heads-first, sequence-sharded on ``cp``) whose
             body context parallelism replaces (:mod:`.context_parallel`).
     """
 

@@ -140,7 +140,7 @@ class TensorRepresentation(ABC):
     #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
     supports_typechecking: ClassVar[bool] = False
     #: Whether this backend runs context parallelism (``context_parallel_degree > 1``):
-    #: sequence-sharded activations and the plan's key/value gather over ``cp``.
+    #: sequence-sharded activations and ring attention over ``cp``.
     supports_context_parallel: ClassVar[bool] = False
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
@@ -156,15 +156,11 @@ class TensorRepresentation(ABC):
     def validate(self, job_config: JobConfig) -> None:
         """Raise ``ValueError`` at setup for what this backend cannot run.
 
-        Context parallelism only where :attr:`supports_context_parallel` (the error is
-        torchtitan's ``validate_cp_backend``'s, naming the backends that run it); pipeline
-        and expert parallelism have meshes (``ParallelDims``) but no runtime yet.
+        Pipeline and expert parallelism have meshes (``ParallelDims``) but no runtime yet.
+        (Context parallelism under a backend without :attr:`supports_context_parallel` is
+        rejected earlier, once, by ``context_parallel.validate_context_parallel``.)
         """
         pd, name = self.parallel_dims, self.name
-        if pd.cp_enabled and not self.supports_context_parallel:
-            from .context_parallel import validate_cp_backend
-
-            validate_cp_backend(job_config.parallelism)
         if pd.pp_enabled:
             raise ValueError(describe_unsupported(
                 name, "pipeline parallelism in this runtime", "set parallelism.pipeline_parallel_degree=1."

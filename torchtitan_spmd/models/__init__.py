@@ -75,10 +75,15 @@ class ModelSpec:
     validate: Callable[[Any, JobConfig, ParallelDims], None]
     state_dict_adapter: type[StateDictAdapter] | None = None
 
-    def model_config(self, flavor: str, *, vocab_size: int | None = None) -> Any:
-        """The config of ``flavor``, with ``vocab_size`` replaced when given.
+    def model_config(self, flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> Any:
+        """The config of ``flavor``, with ``vocab_size`` and ``max_seq_len`` replaced when given.
 
-        Raises ValueError for an unknown flavour, listing the valid ones.
+        ``max_seq_len`` (the rows of the RoPE tables, a config field of the built-in
+        families) is what upstream's ``update_from_config`` sets from ``training.seq_len``:
+        the trainer passes it, so a run's tables cover its sequences whatever the flavour's
+        default. The tables are non-persistent buffers, so checkpoints do not depend on it.
+        A config without that field ignores it. Raises ValueError for an unknown flavour,
+        listing the valid ones.
         """
         if flavor not in self.flavors:
             raise ValueError(
@@ -86,14 +91,21 @@ class ModelSpec:
                 f"{', '.join(sorted(self.flavors))}.{suggest(flavor, self.flavors)}"
             )
         config = self.flavors[flavor]
-        return dataclasses.replace(config, vocab_size=vocab_size) if vocab_size is not None else config
+        changes: dict[str, int] = {}
+        if vocab_size is not None:
+            changes["vocab_size"] = vocab_size
+        if max_seq_len is not None and any(f.name == "max_seq_len" for f in dataclasses.fields(config)):
+            changes["max_seq_len"] = max_seq_len
+        return dataclasses.replace(config, **changes) if changes else config
 
-    def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None) -> nn.Module:
-        """Flavour ``flavor`` built full-size on CPU (float32) and initialised with ``seed``.
+    def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None,
+                          max_seq_len: int | None = None) -> nn.Module:
+        """Flavour ``flavor`` built full-size on CPU (float32) and initialised with ``seed``
+        (``vocab_size``, ``max_seq_len``: as :meth:`model_config`).
 
         Built on the meta device first, so the caller's RNG is left alone.
         """
-        config = self.model_config(flavor, vocab_size=vocab_size)
+        config = self.model_config(flavor, vocab_size=vocab_size, max_seq_len=max_seq_len)
         with torch.device("meta"):
             model = self.build(config)
         model.to_empty(device="cpu")

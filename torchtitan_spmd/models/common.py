@@ -146,17 +146,16 @@ class ScaledDotProductAttention(nn.Module):
 
     A module of its own so a sharding plan can declare it a local region (DTensor
     has no sharding rule for it on every device), and so context parallelism can
-    replace its mask: keys and values keep their own (fewer) heads up to here, so
-    a context-parallel gather of them moves ``n_kv_heads``, not ``n_heads``.
+    replace its body (ring attention over sequence shards): keys and values keep their
+    own (fewer) heads up to here, so a context-parallel exchange of them moves
+    ``n_kv_heads``, not ``n_heads``.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + mask) v``; the mask is causal unless ``attn_mask`` is given.
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal mask) v`` (``is_causal``: no mask tensor).
 
         ``k``/``v`` may have fewer heads than ``q`` (a divisor): query head ``h`` attends
-        with kv head ``h // n_rep``. ``attn_mask``: an additive ``[q_seq, kv_seq]`` mask
-        (context parallelism's causal mask over global positions).
+        with kv head ``h // n_rep``.
         """
         # enable_gqa: no repeated copy of k and v (on CPU the flash kernel saves them as given,
         # which halves what attention keeps for backward at n_heads = 2 * n_kv_heads).
@@ -166,9 +165,7 @@ class ScaledDotProductAttention(nn.Module):
                 # The CPU flash kernel's GQA backward returns key/value gradients in a layout
                 # that a later DTensor ``view`` in backward (full_dtensor) rejects.
                 t.register_hook(_contiguous)
-        if attn_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -11,11 +11,12 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
 - replicated RoPE tables and a replicated token embedding;
 - attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``);
 - context parallelism: every activation is sequence-sharded on ``cp`` (``S(1)@cp``;
-  heads-first ``S(2)@cp``), and the SDPA kernel's keys and values are gathered over
-  ``cp`` at its boundary (``S(2)@cp -> R@cp``); with sequence parallelism the
-  residual stream is sharded on the sequence by ``cp``, then by ``tp``. The kernel
-  is the plan's ``attention``, whose body :mod:`torchtitan_spmd.distributed.context_parallel`
-  replaces. An axis of size 1 is ignored, so the plan is the same at every degree.
+  heads-first ``S(2)@cp``), the SDPA kernel's queries, keys and values included: the
+  kernel is the plan's ``attention``, whose body :mod:`torchtitan_spmd.distributed.context_parallel`
+  replaces with ring attention, which exchanges the keys and values over ``cp`` itself
+  (chunk by chunk; no gathered ``R@cp`` tensor crosses a boundary). With sequence
+  parallelism the residual stream is sharded on the sequence by ``cp``, then by ``tp``.
+  An axis of size 1 is ignored, so the plan is the same at every degree.
 
 With sequence parallel off, the residual stream is replicated (``R@tp``) instead of
 ``S(1)@tp``, and rowwise outputs are all-reduced instead of reduce-scattered.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchtitan_spmd.distributed.layout import I, P, R, S, SpmdLayout, V
+from torchtitan_spmd.distributed.layout import I, P, S, SpmdLayout, V
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 
 __all__ = ["HEADS", "decoder_plan"]
@@ -45,7 +46,6 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
                 if sequence_parallel else sequence)
     features = SpmdLayout({"cp": S(1), "tp": S(2)})  # [batch, seq/cp, features/tp]
     heads_first = SpmdLayout({"cp": S(2), "tp": S(1)})  # [batch, heads/tp, seq/cp, head_dim]
-    gathered_kv = SpmdLayout({"cp": R, "tp": S(1)})  # [batch, kv_heads/tp, seq, head_dim]
     partial = SpmdLayout({"cp": S(1), "tp": P})
     vocab = SpmdLayout({"cp": S(1), "tp": S(2)})  # [batch, seq/cp, vocab/tp]
     colwise = ModulePlan(params={"weight": SpmdLayout({"tp": S(0)})}, inputs=(sequence,), output=features)
@@ -56,7 +56,6 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     )
     norm = ModulePlan(params={"weight": replicated}, inputs=(residual,), output=residual)
     gather_residual = Redistribute(residual, sequence)
-    gather_kv = Redistribute(heads_first, gathered_kv)
     modules: dict[str, ModulePlan] = {
         "": ModulePlan(params={"rope_cos": replicated, "rope_sin": replicated}),
         "tok_embeddings": ModulePlan(
@@ -72,7 +71,7 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         "layers.*.attention.wk": colwise,
         "layers.*.attention.wv": colwise,
         "layers.*.attention.sdpa": ModulePlan(
-            inputs=(heads_first, gather_kv, gather_kv), output=heads_first, local_compute=True
+            inputs=(heads_first, heads_first, heads_first), output=heads_first, local_compute=True
         ),
         "layers.*.attention.wo": rowwise,
         "layers.*.feed_forward": ModulePlan(inputs=(gather_residual,), output=residual),

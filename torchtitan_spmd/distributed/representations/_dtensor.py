@@ -34,8 +34,7 @@ def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
     The input's own placements, except ``Partial`` on a mesh dim where the input is
     replicated and the output is not (sharded or a pending sum): each rank's output
     depends on the whole input, so each rank holds a part of its gradient -- a
-    colwise linear's input, a replicated norm weight under sequence parallelism,
-    context parallelism's gathered keys and values.
+    colwise linear's input, a replicated norm weight under sequence parallelism.
     """
     return tuple(Partial() if isinstance(i, Replicate) and not isinstance(o, Replicate) else i
                  for i, o in zip(inputs, output, strict=True))

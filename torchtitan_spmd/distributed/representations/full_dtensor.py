@@ -11,10 +11,11 @@ rank the 1-rank ``dp_shard`` mesh):
   redistributes only their model axes;
 - local regions (attention's SDPA, which DTensor cannot shard on every device)
   run on the local shards, wrapped back into DTensors; an input replicated on an
-  axis where the output is sharded (context parallelism's gathered keys and
-  values, ``R@cp``) gets a ``Partial`` gradient there (each rank's contribution),
-  so the gather's backward is a reduce-scatter;
-- context parallelism: data is ``Shard(1)`` on ``cp`` too, and FSDP shards over
+  axis where the output is sharded gets a ``Partial`` gradient there (each rank's
+  contribution);
+- context parallelism: data is ``Shard(1)`` on ``cp`` too; the attention kernel's local
+  region gets this rank's ``Shard(2)@cp`` queries, keys and values, and its ring
+  attention exchanges keys and values over the ``cp`` group itself; FSDP shards over
   ``dp_shard x cp`` (torchtitan's ``fsdp`` axis), which sums the gradients over ``cp``.
 """
 

@@ -23,10 +23,10 @@ On the forward/backward mesh ``(dp, cp, tp)`` (active axes only):
   with ``DataParallelMeshDims`` (torch >= 2.14), sharding over ``dp_shard x cp``.
   FSDP also all-reduces, over ``tp``, the gradients of parameters replicated on
   ``tp`` (their gradient type is ``P``); without FSDP a gradient hook does it;
-- context parallelism: data is ``S(1)@cp``; the plan's key/value gather is one
-  typed ``all_gather`` (``S -> R``, whose backward reduce-scatters the ``P``
-  gradient), and the loss and token count are all-reduced over ``dp`` and ``cp``
-  (``P -> I`` on each).
+- context parallelism: data is ``S(1)@cp``; the attention kernel's ring attention is
+  one autograd Function whose ``spmd_typecheck`` types its key/value exchange over
+  ``cp`` (``V -> R``) and its ``V@cp`` output; the loss and token count are
+  all-reduced over ``dp`` and ``cp`` (``P -> I`` on each).
 
 Modules: :mod:`.mesh_context` (the library's current mesh), :mod:`.layout_types`
 (layouts as annotations), :mod:`.redistribute` (the planner), :mod:`.typecheck`
