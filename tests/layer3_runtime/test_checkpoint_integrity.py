@@ -141,14 +141,15 @@ def test_a_damaged_checkpoint_stops_the_start_in_one_line_naming_the_file_and_th
         return lines[0]
 
     good = "the newest checkpoint that verifies is step-2: load it with --checkpoint.load_step 2"
-    line = error_line("truncated")
-    size = (saved_root / "checkpoint" / "step-4" / "__1_0.distcp").stat().st_size
-    assert line == (f"error: checkpoint step-4: __1_0.distcp has {size // 2} bytes, its record {size} (cut short or "
-                    f"overwritten?); {good} ({folders['truncated'] / 'step-4' / '__1_0.distcp'})")
+    # first the flip DCP cannot see (unverified, it loads wrong weights without a word)
     line = error_line("flipped")
     assert re.fullmatch(r"error: checkpoint step-4: __0_0\.distcp has crc32 [0-9a-f]{8}, its record [0-9a-f]{8} "
                         r"\(same size: bytes changed\); " + re.escape(good) + r" \(.*/flipped/checkpoint/step-4/"
                         r"__0_0\.distcp\)", line), line
+    line = error_line("truncated")
+    size = (saved_root / "checkpoint" / "step-4" / "__1_0.distcp").stat().st_size
+    assert line == (f"error: checkpoint step-4: __1_0.distcp has {size // 2} bytes, its record {size} (cut short or "
+                    f"overwritten?); {good} ({folders['truncated'] / 'step-4' / '__1_0.distcp'})")
     line = error_line("metadata")
     assert line.startswith("error: checkpoint step-4: .metadata has crc32 ") and line.endswith(
         f"{good} ({folders['metadata'] / 'step-4' / '.metadata'})"), line
