@@ -392,6 +392,7 @@ class Trainer:
         records = []
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
+        self._stop_if_signalled(self.start_step)  # a signal during set-up (a long load)
         for step in range(self.start_step + 1, steps + 1):
             self.phase = f"in step {step}"
             self.gc_handler.run(step)

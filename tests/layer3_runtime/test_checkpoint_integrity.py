@@ -87,6 +87,24 @@ def test_file_digest_is_zlib_crc32_or_hashlib_blake2b(tmp_path: Path) -> None:
         file_digest(str(tmp_path / "f"), "md5")
 
 
+def test_verification_reads_the_hash_the_record_names_and_only_this_ranks_share(tmp_path: Path) -> None:
+    from torchtitan_spmd.distributed.checkpoint_integrity import local_problems
+
+    files = {}
+    for name, rank in ((".metadata", 0), ("__0_0.distcp", 0), ("__1_0.distcp", 1), ("__2_0.distcp", 2)):
+        (tmp_path / name).write_bytes(os.urandom(1000 + rank))
+        size, digest = file_digest(str(tmp_path / name), "blake2b")
+        files[name] = {"size": size, "blake2b": digest, "rank": rank}
+    record = {"hash": "blake2b", "files": files}
+    assert local_problems(str(tmp_path), record, 0, 2) == []
+    _flip(tmp_path / "__2_0.distcp")  # written by rank 2; checked by rank 0 of a 2-rank start
+    assert local_problems(str(tmp_path), record, 1, 2) == []
+    assert [name for name, _ in local_problems(str(tmp_path), record, 0, 2)] == ["__2_0.distcp"]
+    assert local_problems(str(tmp_path), {"step": 4}, 0, 2) is None  # no checksums recorded
+    assert local_problems(str(tmp_path), {"hash": "md5", "files": files}, 0, 2) == [
+        (COMPLETE_MARKER, "its file records are malformed (hash 'md5', dict of files)")]
+
+
 # ------------------------------------------------------------------ damaged checkpoints
 def _copy(saved_root: Path, dst: Path) -> Path:
     for step in (2, 4):
@@ -131,6 +149,10 @@ def test_a_damaged_checkpoint_stops_the_start_in_one_line_naming_the_file_and_th
     case("legacy", "start", lambda ck: _unrecord(ck / "step-4"))
     case("legacy_truncated", "job", lambda ck: (_unrecord(ck / "step-4"), _truncate(ck / "step-4" / "__1_0.distcp")))
     case("partial", "start", lambda ck: shutil.copytree(ck / "step-4", ck / "step-6.partial"))
+    case("no_marker", "job", lambda ck: (shutil.copytree(ck / "step-4", ck / "step-6"),
+                                         (ck / "step-6" / COMPLETE_MARKER).unlink()))
+    case("bad_marker", "job", lambda ck: (shutil.copytree(ck / "step-4", ck / "step-6"),
+                                          (ck / "step-6" / COMPLETE_MARKER).write_text('{"step": 6, "fil')))
     per_rank = run_starts(cases)
 
     def error_line(name: str) -> str:
@@ -178,6 +200,14 @@ def test_a_damaged_checkpoint_stops_the_start_in_one_line_naming_the_file_and_th
     for r in per_rank:
         assert r["partial"].get("loaded", {}).get("step") == 4, r["partial"]
     assert any("ignoring" in m and "step-6.partial" in m for m in per_rank[0]["partial"]["log"])
+    # but a published step-N that is not complete (damaged, or copied in part) is no reason to load an older one
+    newest_good = "the newest checkpoint that verifies is step-4: load it with --checkpoint.load_step 4"
+    assert error_line("no_marker") == (f"error: checkpoint step-6: no {COMPLETE_MARKER} marker: not a save that "
+                                       f"finished here (a folder copied in part?); {newest_good} "
+                                       f"({folders['no_marker'] / 'step-6' / COMPLETE_MARKER})")
+    assert error_line("bad_marker") == (f"error: checkpoint step-6: its {COMPLETE_MARKER} marker cannot be read or "
+                                        f"is not a JSON record; {newest_good} "
+                                        f"({folders['bad_marker'] / 'step-6' / COMPLETE_MARKER})")
 
 
 # ------------------------------------------------------------------ faults during a save

@@ -19,10 +19,22 @@ plain shard itself: every rank would claim the same key with another size.)
 Crash safety: a save writes ``step-N.partial``, then rank 0 writes the completion marker
 (``.complete``, a small JSON record) into it and renames it to ``step-N`` (an atomic rename
 on POSIX file systems). A checkpoint is loaded only from a ``step-N`` folder holding both
-DCP's ``.metadata`` and the marker; anything else under the folder (a save killed midway,
-a folder copied in part) is ignored with a warning. ``keep_latest_k`` deletes only complete
-checkpoints older than the newest ``k``, after the new one is complete, so it never deletes
-the only one.
+DCP's ``.metadata`` and the marker; a ``step-N.partial`` (a save killed midway) is ignored
+with a warning, and a ``step-N`` without them newer than the newest complete one (damaged, or
+copied in part) stops the start instead of loading an older one. ``keep_latest_k`` deletes
+only complete checkpoints older than the newest ``k``, after the new one is complete, so it
+never deletes the only one.
+
+Integrity (:mod:`.checkpoint_integrity`): the marker records every file's size and crc32,
+computed by the rank that wrote the file once DCP synced it; at load every rank verifies
+its share before DCP reads anything, and a mismatch stops the start with one line naming
+the checkpoint, the file, what differs and the newest checkpoint that verifies (with
+``--checkpoint.load_step N``); nothing older is loaded unless asked for. A marker without
+checksums (an older save) loads with a warning. DCP and torch errors at load become one
+line, ``checkpoint step-N: <what> (<file>)``. A save that fails on any rank (disk full, I/O
+error, no permission, read-only folder) raises :class:`CheckpointSaveError` on every rank,
+naming the folder and the errno, with the ``.partial`` folder removed and the previous
+checkpoint untouched.
 
 Differences from torchtitan, each deliberate: a load finds "the latest *complete*
 checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is
@@ -387,6 +399,8 @@ class CheckpointManager:
 
         The last step's save is model-only in ``export_dtype`` when ``last_save_model_only``
         (torchtitan's default), and always synchronous. Returns whether a save started.
+        Raises :class:`CheckpointSaveError` on every rank when this save (or the background
+        one before it) failed on any rank.
         """
         if not self._should_save(step, last_step):
             return False
@@ -551,7 +565,7 @@ class CheckpointManager:
                 "or save full last checkpoints with --checkpoint.no-last_save_model_only", info.path)
         return info.path, info.step, info.model_only, incomplete, dict(info.record)
 
-    def _fallbacks(self, chosen: str) -> list[tuple[int, str, dict[str, Any]]]:
+    def _fallbacks(self, chosen: str | None) -> list[tuple[int, str, dict[str, Any]]]:
         """The other checkpoints a run could resume from, newest first: ``(step, path, record)``."""
         complete, _ = find_checkpoints(self.folder)
         return [(s, i.path, dict(i.record)) for s, i in sorted(complete.items(), reverse=True)
@@ -575,17 +589,39 @@ class CheckpointManager:
             return
         file, what = problems[0]
         more = f" (and {len(problems) - 1} more file(s) differ)" if len(problems) > 1 else ""
-        hint = "no other checkpoint verifies"
+        raise CheckpointLoadError(name, f"{file} {what}{more}; {self._newest_good(fallbacks)}",
+                                  os.path.join(path, file))
+
+    def _newest_good(self, fallbacks: list[tuple[int, str, dict[str, Any]]]) -> str:
+        """Which of ``fallbacks`` (newest first) verifies, and the flag that loads it (every rank
+        verifies its share of each in turn, until one verifies)."""
         for step, other, other_record in fallbacks:
             checked = integrity.verify_checkpoint(other, other_record, self.rank, self.world_size)
             if checked is None:
-                hint = (f"the newest other checkpoint is step-{step}, saved without checksums: "
+                return (f"the newest other checkpoint is step-{step}, saved without checksums: "
                         f"--checkpoint.load_step {step} loads it unverified")
-                break
             if not checked:
-                hint = f"the newest checkpoint that verifies is step-{step}: load it with --checkpoint.load_step {step}"
-                break
-        raise CheckpointLoadError(name, f"{file} {what}{more}; {hint}", os.path.join(path, file))
+                return f"the newest checkpoint that verifies is step-{step}: load it with --checkpoint.load_step {step}"
+        return "no other checkpoint verifies"
+
+    def _damaged_newer(self, chosen_step: int | None) -> tuple[str, str, str] | None:
+        """``(name, what, file)`` of a published ``step-N`` folder newer than ``chosen_step`` that is
+        not a complete checkpoint (a save renames its folder only once complete, so this one was
+        damaged or copied in part): loading an older one instead would be a silent fallback."""
+        _, incomplete = find_checkpoints(self.folder)
+        damaged = sorted((int(m.group(1)), p) for p in incomplete if (m := _STEP_DIR.match(os.path.basename(p))))
+        if not damaged or (chosen_step is not None and damaged[-1][0] <= chosen_step):
+            return None
+        step, path = damaged[-1]
+        marker, metadata = os.path.join(path, COMPLETE_MARKER), os.path.join(path, _DCP_METADATA)
+        if not os.path.exists(marker):
+            what, file = (f"no {COMPLETE_MARKER} marker: not a save that finished here (a folder copied in part?)",
+                          marker)
+        elif _read_marker(path) is None:
+            what, file = f"its {COMPLETE_MARKER} marker cannot be read or is not a JSON record", marker
+        else:
+            what, file = f"no DCP {_DCP_METADATA} file", metadata
+        return f"step-{step}", what, file
 
     def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
         """Raise :class:`CheckpointLoadError` naming the first key whose shape differs from the
@@ -620,9 +656,11 @@ class CheckpointManager:
         """Load the latest complete checkpoint (or ``step``), else ``initial_load_path``.
 
         Returns the step to continue after (0: from the start, also after a model-only
-        load). Raises ``ValueError`` for a missing step, a folder that is not a checkpoint,
-        a checkpoint of another model (naming the first mismatched key and both shapes),
-        or a model-only checkpoint to resume from.
+        load). Raises ``ValueError`` for a missing step or a folder that is not a checkpoint,
+        and :class:`CheckpointLoadError` (one line, ``checkpoint step-N: <what> (<file>)``) for
+        a file that does not match its checksum, a newer ``step-N`` that is not complete, a
+        checkpoint of another model (naming the first mismatched key and both shapes), a
+        model-only checkpoint to resume from, or any DCP or torch error while reading.
         """
         if not self.enable:
             return 0
@@ -630,7 +668,10 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 chosen = self._choose(step)
-                choice[0] = ("ok", (chosen, self._fallbacks(chosen[0]) if chosen is not None else []))
+                mine = chosen is not None and os.path.dirname(chosen[0]) == self.folder  # not initial_load_path
+                damaged = self._damaged_newer(chosen[1] if mine else None) if step == -1 else None
+                fallbacks = self._fallbacks(chosen[0] if chosen is not None and damaged is None else None)
+                choice[0] = ("ok", (chosen, fallbacks, damaged))
             except ValueError as err:
                 choice[0] = ("error", str(err))
             except OSError as err:  # the folder cannot be listed or read
@@ -640,7 +681,10 @@ class CheckpointManager:
         status, value = choice[0]
         if status == "error":
             raise ValueError(value)
-        chosen, fallbacks = value
+        chosen, fallbacks, damaged = value
+        if damaged is not None:
+            name, what, file = damaged
+            raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file)
         if chosen is None:
             return 0
         path, saved_step, model_only, ignored, record = chosen
