@@ -4,6 +4,7 @@ and what the per-file checksums cost.
     python bench/checkpoint_bench.py                  # 4 gloo ranks, FSDP 2 x TP 2, llama3 debugmodel
     python bench/checkpoint_bench.py --rounds 5 --folder /tmp/ckbench
     python bench/checkpoint_bench.py --hash blake2b   # checksums with blake2b instead of crc32
+    python bench/checkpoint_bench.py --hash none      # the baseline: no checksums
     python bench/checkpoint_bench.py --hash-only      # only the hashes' cost per GiB, on one 256 MiB file
 
 Every rank builds one trainer (``[checkpoint]`` on), trains ``--warmup`` steps, then for
@@ -64,7 +65,11 @@ def _timed_hashing(algorithm: str) -> dict[str, float]:
     """Use ``algorithm`` for new checksums and accumulate the time spent hashing (``"s"``, ``"bytes"``)."""
     import torchtitan_spmd.distributed.checkpoint_integrity as integrity
 
-    integrity.HASH_ALGORITHM = algorithm
+    if algorithm == "none":  # the baseline: no checksums written, none verified
+        integrity.RecordingWriter._record = lambda self, relative: None  # type: ignore[method-assign]
+        integrity.verify_checkpoint = lambda *args, **kwargs: []  # type: ignore[assignment]
+    else:
+        integrity.HASH_ALGORITHM = algorithm
     spent = {"s": 0.0, "cpu": 0.0, "bytes": 0.0}
     digest = integrity.file_digest
 
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-after", type=int, default=2)
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--hash", default="crc32", choices=("crc32", "blake2b"), help="the checksum of each file")
+    parser.add_argument("--hash", default="crc32", choices=("crc32", "blake2b", "none"),
+                        help="the checksum of each file (none: the baseline without checksums)")
     parser.add_argument("--hash-only", action="store_true", help="only the hashes' cost per GiB")
     args = parser.parse_args(argv)
     cost = hash_cost()

@@ -195,7 +195,7 @@ def test_a_damaged_checkpoint_stops_the_start_in_one_line_naming_the_file_and_th
     # ... and DCP's own error on it is one line naming the file
     line = error_line("legacy_truncated")
     assert line.startswith("error: checkpoint step-4: reading it failed: ") and line.endswith(
-        f"({folders['legacy_truncated'] / 'step-4' / '__1_0.distcp'})"), line
+        f"; {good} ({folders['legacy_truncated'] / 'step-4' / '__1_0.distcp'})"), line
     # a complete-looking .partial (marker written, never renamed) is not a checkpoint
     for r in per_rank:
         assert r["partial"].get("loaded", {}).get("step") == 4, r["partial"]

@@ -704,9 +704,15 @@ class CheckpointManager:
         self._check_against(path, metadata, states)
         try:
             dcp.load(states, storage_reader=integrity.NamingReader(path), checkpoint_id=path)
+        except CheckpointException as err:  # raised on every rank alike: they can look for a good one together
+            what, file = integrity.describe_load_failure(err, path)
+            raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file) from None
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
+        try:
             model_state = {k: v for k, v in states.items() if k not in self.states}
             set_model_state_dict(self.model, self.views.unwrap(model_state))
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
+        except Exception as err:  # noqa: BLE001 - one line naming the file
             raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
         self.views.originals.clear()
         resumed = 0 if model_only or TRAIN_STATE in exclude else self.train_state.step
