@@ -6,6 +6,7 @@ and what the per-file checksums cost.
     python bench/checkpoint_bench.py --hash blake2b   # checksums with blake2b instead of crc32
     python bench/checkpoint_bench.py --hash none      # the baseline: no checksums
     python bench/checkpoint_bench.py --hash-only      # only the hashes' cost per GiB, on one 256 MiB file
+    python bench/checkpoint_bench.py --hash-ab --rounds 7  # blocking saves, crc32 / none / blake2b interleaved
 
 Every rank builds one trainer (``[checkpoint]`` on), trains ``--warmup`` steps, then for
 each round, alternately in sync and async mode: one save of the full state (model,
@@ -141,6 +142,38 @@ def _worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dic
     return out
 
 
+AB_MODES = ("crc32", "none", "blake2b")
+
+
+def _ab_worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
+    """Blocking saves of one trainer, the checksum mode changing save by save, in ABC CBA order
+    (crc32, none, blake2b, blake2b, none, crc32, ...): each save's visible time, by mode."""
+    import torch.distributed as dist
+
+    import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+    from torchtitan_spmd.train import Trainer
+
+    record, verify = integrity.RecordingWriter._record, integrity.verify_checkpoint
+    trainer = Trainer(_config(args, os.path.join(folder, "ab"), "disabled"))
+    _steps(trainer, 1, args.warmup)
+    out: dict[str, list[float]] = {}
+    step = args.warmup
+    for i in range(args.rounds):
+        for mode in AB_MODES if i % 2 == 0 else AB_MODES[::-1]:
+            integrity.RecordingWriter._record = (  # type: ignore[method-assign]
+                (lambda self, relative: None) if mode == "none" else record)
+            integrity.HASH_ALGORITHM = "crc32" if mode == "none" else mode
+            step += 1
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.checkpointer.save(step)
+            out.setdefault(mode, []).append(time.perf_counter() - start)
+    integrity.RecordingWriter._record = record  # type: ignore[method-assign]
+    integrity.verify_checkpoint = verify  # type: ignore[assignment]
+    trainer.close()
+    return out
+
+
 def hash_cost(size_mib: int = 256, rounds: int = 3) -> dict[str, float]:
     """Seconds per GiB of each hash over one ``size_mib`` file (in the page cache), interleaved;
     the best of ``rounds``."""
@@ -179,11 +212,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash", default="crc32", choices=("crc32", "blake2b", "none"),
                         help="the checksum of each file (none: the baseline without checksums)")
     parser.add_argument("--hash-only", action="store_true", help="only the hashes' cost per GiB")
+    parser.add_argument("--hash-ab", action="store_true",
+                        help="only blocking saves, the checksum (crc32, none, blake2b) changing save by save "
+                             "(ABC CBA order)")
     args = parser.parse_args(argv)
     cost = hash_cost()
     print("hashing a 256 MiB file in the page cache (best of 3, interleaved): "
           + ", ".join(f"{a} {s:.3f} s/GiB ({1 / s:.2f} GiB/s)" for a, s in cost.items()))
     if args.hash_only:
+        return 0
+    if args.hash_ab:
+        folder = args.folder or tempfile.mkdtemp(prefix="ckbench-")
+        try:
+            per_rank = run_forked(_ab_worker, args.dp_shard * args.tp, args, folder, timeout_s=3600)
+        finally:
+            if args.folder is None:
+                shutil.rmtree(folder, ignore_errors=True)
+        slowest = {m: [max(r[m][i] for r in per_rank) for i in range(args.rounds)] for m in AB_MODES}
+        base = statistics.median(slowest["none"])
+        print(f"blocking saves, checksum changing save by save, {args.rounds} rounds; load average: "
+              f"{os.getloadavg()[0]:.1f}")
+        print("| checksums | save visible (s), median | vs none |")
+        print("|---|---|---|")
+        for mode in AB_MODES:
+            med = statistics.median(slowest[mode])
+            print(f"| {mode} | {med:.3f} | {100 * (med - base) / base:+.1f} % |")
         return 0
     folder = args.folder or tempfile.mkdtemp(prefix="ckbench-")
     world = args.dp_shard * args.tp
