@@ -475,8 +475,12 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in one line below
             error = err
         self._stop_if_failed(step, partial, error, group)
-        files = integrity.gather_file_records(writer.written, writer.algorithm, self.rank, self.world_size, group)
-        if self.rank == 0:
+        files = None
+        try:  # a collective: every rank joins; only rank 0 can raise (two ranks claiming one file)
+            files = integrity.gather_file_records(writer.written, writer.algorithm, self.rank, self.world_size, group)
+        except RuntimeError as err:
+            error = err
+        if self.rank == 0 and error is None:
             try:
                 _publish(partial, final, {**record, "hash": writer.algorithm, "files": files})
                 purge_stale(self.folder, self.config.keep_latest_k)
