@@ -42,8 +42,9 @@ used when the run's folder holds no complete checkpoint (torchtitan: when the fo
 not exist); resuming from a model-only checkpoint other than step 0 (a final export,
 ``last_save_model_only``) is an error naming the newest full one, not a missing-key error
 from DCP; the model's keys and shapes are checked against the checkpoint before loading;
-``async_with_pinned_mem`` and the Hugging Face formats are not implemented (the trainer
-rejects them at setup, ``config/support.py``).
+``async_with_pinned_mem`` and quantized Hugging Face loads are not implemented (the trainer
+rejects them at setup, ``config/support.py``). Hugging Face safetensors in and out
+(``initial_load_in_hf``, ``last_save_in_hf``) are ``hf_checkpoint.py``'s, hooked in here.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint_integrity as integrity
+from . import hf_checkpoint
 from .apply_plan import plain_fqn
 from .checkpoint_integrity import CheckpointLoadError, CheckpointSaveError
 from .representation import StateLayout, TensorRepresentation
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CheckpointConfig
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -152,6 +155,8 @@ def find_checkpoints(folder: str) -> tuple[dict[int, CheckpointInfo], list[str]]
         if not m:
             continue
         record = _read_marker(path)
+        if record is not None and record.get("hf_export"):
+            continue  # a Hugging Face export (last_save_in_hf): model only, not resumable
         if record is None or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
             incomplete.append(path)
             continue
@@ -328,6 +333,8 @@ class CheckpointManager:
         device_type: ``"cpu"`` or ``"cuda"`` (which RNG states to keep).
         record: extra facts written into each checkpoint's marker (backend, degrees, ...).
         timeout: the timeout of the process group an async save writes through.
+        sd_adapter, hf_assets_path: the family's Hugging Face adapter and folder (upstream's
+            names), for ``initial_load_in_hf`` and ``last_save_in_hf``.
 
     Raises:
         ValueError: at construction, for an ``exclude_from_loading`` entry that is not one
@@ -338,8 +345,10 @@ class CheckpointManager:
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
                  representation: TensorRepresentation, state_layouts: Mapping[str, StateLayout],
                  device_type: str = "cpu", record: Mapping[str, Any] | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, sd_adapter: StateDictAdapter | None = None,
+                 hf_assets_path: str | None = None) -> None:
         self.config = config
+        self.sd_adapter, self.hf_assets_path = sd_adapter, hf_assets_path
         self.enable = config.enable
         self.folder = os.path.join(base_folder, config.folder)
         self.model = model
@@ -439,6 +448,14 @@ class CheckpointManager:
         record = {**self.record, "step": step, "model_only": model_only, "format": FORMAT_VERSION,
                   "world_size": self.world_size, "torch": torch.__version__,
                   "export_dtype": self.config.export_dtype if model_only else None}
+        if model_only and step != 0 and self.config.last_save_in_hf and self.sd_adapter is not None:
+            try:
+                hf_checkpoint.save_hf(states, partial, self.sd_adapter, dtype=self.config.export_dtype)
+            except OSError as err:
+                error = err
+            self._stop_if_failed(step, partial, error)
+            self._finish(None, None, step, partial, final, {**record, "hf_export": True}, begin, None)
+            return
         writer = integrity.RecordingWriter(partial)
         if use_async:
             written = None
@@ -461,7 +478,7 @@ class CheckpointManager:
         # every rank returns once the checkpoint is visible (the last agreement in _finish)
         self._finish(writer, None, step, partial, final, record, begin, None)
 
-    def _finish(self, writer: integrity.RecordingWriter, written: Future[Any] | None, step: int, partial: str,
+    def _finish(self, writer: integrity.RecordingWriter | None, written: Future[Any] | None, step: int, partial: str,
                 final: str, record: Mapping[str, Any], begin: float, group: dist.ProcessGroup | None) -> None:
         """Collect the file records on rank 0, which publishes; every rank learns the outcome.
 
@@ -475,14 +492,16 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in one line below
             error = err
         self._stop_if_failed(step, partial, error, group)
-        files = None
-        try:  # a collective: every rank joins; only rank 0 can raise (two ranks claiming one file)
-            files = integrity.gather_file_records(writer.written, writer.algorithm, self.rank, self.world_size, group)
-        except RuntimeError as err:
-            error = err
+        checksums: dict[str, Any] = {}
+        if writer is not None:  # a DCP save (a Hugging Face export is not resumable: no checksums)
+            try:  # a collective: every rank joins; only rank 0 can raise (two ranks claiming one file)
+                checksums = {"hash": writer.algorithm, "files": integrity.gather_file_records(
+                    writer.written, writer.algorithm, self.rank, self.world_size, group)}
+            except RuntimeError as err:
+                error = err
         if self.rank == 0 and error is None:
             try:
-                _publish(partial, final, {**record, "hash": writer.algorithm, "files": files})
+                _publish(partial, final, {**record, **checksums})
                 purge_stale(self.folder, self.config.keep_latest_k)
             except OSError as err:
                 error = err
@@ -542,6 +561,8 @@ class CheckpointManager:
             if cfg.initial_load_path:
                 logger.warning(f"checkpoint: {self.folder} holds checkpoints, so checkpoint.initial_load_path "
                                f"{cfg.initial_load_path!r} is ignored.")
+        elif cfg.initial_load_in_hf and (cfg.initial_load_path or self.hf_assets_path):
+            return cfg.initial_load_path or self.hf_assets_path, 0, True, incomplete, {}
         elif cfg.initial_load_path:
             path = cfg.initial_load_path
             if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
@@ -693,10 +714,14 @@ class CheckpointManager:
             return 0
         path, saved_step, model_only, ignored, record = chosen
         begin = time.monotonic()
-        self._verify(path, record, fallbacks)
         name = os.path.basename(os.path.normpath(path))
         exclude = tuple(self.config.exclude_from_loading)
         states = self._states(model_only, exclude)
+        if self.config.initial_load_in_hf and path == (self.config.initial_load_path or self.hf_assets_path):
+            assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
+            hf_checkpoint.load_hf(states, path, self.sd_adapter)
+            return self._loaded(states, path, saved_step, model_only, ignored, begin)
+        self._verify(path, record, fallbacks)
         try:
             metadata = integrity.NamingReader(path).read_metadata().state_dict_metadata
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
@@ -713,6 +738,13 @@ class CheckpointManager:
             raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file) from None
         except Exception as err:  # noqa: BLE001 - one line naming the file
             raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
+        return self._loaded(states, path, saved_step, model_only, ignored, begin)
+
+    def _loaded(self, states: dict[str, Any], path: str, saved_step: int, model_only: bool,
+                ignored: list[str], begin: float) -> int:
+        """Set the model from the loaded ``states``; record and log the load; the step to continue after."""
+        exclude = tuple(self.config.exclude_from_loading)
+        name = os.path.basename(os.path.normpath(path))
         try:
             model_state = {k: v for k, v in states.items() if k not in self.states}
             set_model_state_dict(self.model, self.views.unwrap(model_state))
