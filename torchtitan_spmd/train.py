@@ -43,7 +43,12 @@ from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_
 from torchtitan_spmd.distributed import comm, hf_checkpoint
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
 from torchtitan_spmd.distributed.apply_plan import apply_plan
-from torchtitan_spmd.distributed.checkpoint import CheckpointManager
+from torchtitan_spmd.distributed.checkpoint import CheckpointManager, find_checkpoints
+from torchtitan_spmd.distributed.checkpoint_integrity import (
+    StoppedBySignal,
+    StopRequest,
+    signal_name,
+)
 from torchtitan_spmd.distributed.compile import apply_compile, maybe_compile_loss, validate_compile
 from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
@@ -71,7 +76,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchtitan_spmd")
 
-__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "build_optimizer", "gradient_accumulation_steps", "main"]
+__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "build_optimizer", "gradient_accumulation_steps", "main",
+           "run_job"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,8 @@ class Trainer:
         self.job_config = job_config
         self.device_type = _device_type(job_config)
         self._owns_pg = False
+        #: Set by :func:`run_job`: SIGTERM/SIGINT stop the run after the step (and save) in progress.
+        self.stop_request: StopRequest | None = None
         comm_cfg = job_config.comm
         #: Where the run is ("during setup", "in step 3") and the timeout in force, for failure reports.
         self.phase = "during setup"
@@ -404,6 +412,7 @@ class Trainer:
         records = []
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
+        self._stop_if_signalled(self.start_step)  # a signal during set-up (a long load)
         for step in range(self.start_step + 1, steps + 1):
             self.phase = f"in step {step}"
             self.gc_handler.run(step)
@@ -415,8 +424,23 @@ class Trainer:
                 logger.info(record.log_line())
                 self.metrics.log(record)
             self.checkpointer.save(step, last_step=step == steps)
+            self._stop_if_signalled(step)
         self.checkpointer.wait()
         return records
+
+    def _stop_if_signalled(self, step: int) -> None:
+        """After each step and its save: if any rank got SIGTERM/SIGINT, every rank finishes a
+        background save and raises :class:`StoppedBySignal` (one small all-reduce a step)."""
+        if self.stop_request is None:
+            return
+        signum = self.stop_request.agreed(self.world_size, self.device_type)
+        if signum is None:
+            return
+        self.checkpointer.wait()
+        complete = sorted(find_checkpoints(self.checkpointer.folder)[0]) if self.checkpointer.enable else []
+        newest = f"step-{complete[-1]}" if complete else "none (the next start begins afresh)"
+        raise StoppedBySignal(signum, f"{signal_name(signum)}: stopped after step {step}; no save is in progress, "
+                                      f"and the newest complete checkpoint, which the next start loads, is {newest}")
 
     def use_train_timeout(self) -> None:
         """After the first step (set-up and warm-up done), as upstream: every rank meets at a
@@ -480,7 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 done; 1 a collective timed out or lost a peer (one line per rank
     says which, see :func:`~torchtitan_spmd.distributed.comm.describe_comm_failure`);
-    2 a bad config or environment (one ``error:`` line).
+    2 a bad config or environment (one ``error:`` line), a checkpoint that does not verify
+    or load, or a save that failed (disk full, I/O error, no permission); ``128 + N`` stopped
+    by signal N (SIGTERM 143, SIGINT 130) after the step and save in progress (a ``stopped:`` line).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not sys.warnoptions:
@@ -496,10 +522,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(int(threads))
+    return run_job(job_config)
+
+
+def run_job(job_config: JobConfig) -> int:
+    """Train ``job_config`` and return :func:`main`'s exit status (the one-line reports included).
+
+    SIGTERM and SIGINT stop the run after the step, and the save, in progress: status
+    ``128 + signal`` and one ``stopped:`` line (a second signal ends the process at once).
+    """
     trainer = None
     comm_failed = False
+    stop = StopRequest().install()
     try:
         trainer = Trainer(job_config)
+        trainer.stop_request = stop
         if trainer.rank == 0:
             par = asdict(job_config.parallelism)
             logger.info(f"job: {job_config.job.description}")
@@ -516,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except StoppedBySignal as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
+        return stopped.exit_status
     except Exception as err:
         if not comm.is_comm_failure(err):
             raise
@@ -523,8 +563,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report_comm_failure(err, trainer, job_config)
         return 1
     finally:
-        if trainer is not None and not comm_failed:
-            trainer.close()
+        try:
+            if trainer is not None and not comm_failed:
+                trainer.close()
+        finally:
+            stop.uninstall()
+    if stop.signum is not None:  # the signal came after the last step's check
+        print(f"stopped: {signal_name(stop.signum)}: received at the end of the run, which completed",
+              file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 

@@ -13,6 +13,8 @@ other value at setup, naming the feature.
 
 from __future__ import annotations
 
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -448,6 +450,11 @@ class CheckpointConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require(bool(self.folder.strip()), "folder", "cannot be empty")
+        self._require("\0" not in self.folder, "folder", "cannot contain a NUL character")
+        self._require(
+            re.fullmatch(r"step-\d+(\.partial)?", os.path.basename(os.path.normpath(self.folder))) is None,
+            "folder", "cannot be named like a checkpoint (step-N or step-N.partial): checkpoints go inside it",
+        )
         self._require(self.interval >= 1, "interval", "must be >= 1")
         self._require(
             self.keep_latest_k == 0 or self.keep_latest_k >= 2, "keep_latest_k",

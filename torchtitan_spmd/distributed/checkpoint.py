@@ -19,10 +19,22 @@ plain shard itself: every rank would claim the same key with another size.)
 Crash safety: a save writes ``step-N.partial``, then rank 0 writes the completion marker
 (``.complete``, a small JSON record) into it and renames it to ``step-N`` (an atomic rename
 on POSIX file systems). A checkpoint is loaded only from a ``step-N`` folder holding both
-DCP's ``.metadata`` and the marker; anything else under the folder (a save killed midway,
-a folder copied in part) is ignored with a warning. ``keep_latest_k`` deletes only complete
-checkpoints older than the newest ``k``, after the new one is complete, so it never deletes
-the only one.
+DCP's ``.metadata`` and the marker; a ``step-N.partial`` (a save killed midway) is ignored
+with a warning, and a ``step-N`` without them newer than the newest complete one (damaged, or
+copied in part) stops the start instead of loading an older one. ``keep_latest_k`` deletes
+only complete checkpoints older than the newest ``k``, after the new one is complete, so it
+never deletes the only one.
+
+Integrity (:mod:`.checkpoint_integrity`): the marker records every file's size and crc32,
+computed by the rank that wrote the file once DCP synced it; at load every rank verifies
+its share before DCP reads anything, and a mismatch stops the start with one line naming
+the checkpoint, the file, what differs and the newest checkpoint that verifies (with
+``--checkpoint.load_step N``); nothing older is loaded unless asked for. A marker without
+checksums (an older save) loads with a warning. DCP and torch errors at load become one
+line, ``checkpoint step-N: <what> (<file>)``. A save that fails on any rank (disk full, I/O
+error, no permission, read-only folder) raises :class:`CheckpointSaveError` on every rank,
+naming the folder and the errno, with the ``.partial`` folder removed and the previous
+checkpoint untouched.
 
 Differences from torchtitan, each deliberate: a load finds "the latest *complete*
 checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is
@@ -53,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -63,8 +76,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from . import checkpoint_integrity as integrity
 from . import hf_checkpoint
 from .apply_plan import plain_fqn
+from .checkpoint_integrity import CheckpointLoadError, CheckpointSaveError
 from .representation import StateLayout, TensorRepresentation
 
 if TYPE_CHECKING:
@@ -73,6 +88,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_MARKER",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
     "CheckpointInfo",
     "CheckpointManager",
     "LOADABLE_ENTRIES",
@@ -87,7 +104,7 @@ MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG = (
 #: The top-level entries besides the model's; each can be left out with ``exclude_from_loading``.
 LOADABLE_ENTRIES: tuple[str, ...] = (OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE, RNG)
 #: The file whose presence makes a ``step-N`` folder a complete checkpoint (JSON inside).
-COMPLETE_MARKER = ".complete"
+COMPLETE_MARKER = integrity.COMPLETE_NAME
 _DCP_METADATA = ".metadata"
 _PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -391,6 +408,8 @@ class CheckpointManager:
 
         The last step's save is model-only in ``export_dtype`` when ``last_save_model_only``
         (torchtitan's default), and always synchronous. Returns whether a save started.
+        Raises :class:`CheckpointSaveError` on every rank when this save (or the background
+        one before it) failed on any rank.
         """
         if not self._should_save(step, last_step):
             return False
@@ -412,11 +431,14 @@ class CheckpointManager:
         begin = time.monotonic()
         final = os.path.join(self.folder, f"step-{step}")
         partial = final + _PARTIAL
+        error: BaseException | None = None
         if self.rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # an earlier save of this step that died
-        if self.world_size > 1:
-            dist.barrier()
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                shutil.rmtree(partial, ignore_errors=True)  # an earlier save of this step that died
+            except OSError as err:
+                error = err
+        self._stop_if_failed(step, partial, error)  # also the barrier before DCP's collectives
         self.train_state.step = step
         states = self._states(model_only)
         if model_only:
@@ -427,29 +449,88 @@ class CheckpointManager:
                   "world_size": self.world_size, "torch": torch.__version__,
                   "export_dtype": self.config.export_dtype if model_only else None}
         if model_only and step != 0 and self.config.last_save_in_hf and self.sd_adapter is not None:
-            hf_checkpoint.save_hf(states, partial, self.sd_adapter, dtype=self.config.export_dtype)
-            self._finish(None, partial, final, {**record, "hf_export": True}, begin)
+            try:
+                hf_checkpoint.save_hf(states, partial, self.sd_adapter, dtype=self.config.export_dtype)
+            except OSError as err:
+                error = err
+            self._stop_if_failed(step, partial, error)
+            self._finish(None, None, step, partial, final, {**record, "hf_export": True}, begin, None)
             return
+        writer = integrity.RecordingWriter(partial)
         if use_async:
-            written = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
-            assert self._finisher is not None
-            self.save_future = self._finisher.submit(self._finish, written, partial, final, record, begin)
+            written = None
+            try:
+                written = dcp.async_save(states, storage_writer=writer, checkpoint_id=partial,
+                                         process_group=self._async_pg)
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in one line below
+                error = err
+            self._stop_if_failed(step, partial, error)
+            assert self._finisher is not None and written is not None
+            self.save_future = self._finisher.submit(self._finish, writer, written, step, partial, final, record,
+                                                     begin, self._async_pg)
             logger.info(f"checkpoint: staged step {step} in {time.monotonic() - begin:.2f}s; writing in the background")
             return
-        dcp.save(states, checkpoint_id=partial)
-        self._finish(None, partial, final, record, begin)
-        if self.world_size > 1:
-            dist.barrier()  # every rank returns once the checkpoint is visible
+        try:
+            dcp.save(states, storage_writer=writer, checkpoint_id=partial)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in one line below
+            error = err
+        self._stop_if_failed(step, partial, error)
+        # every rank returns once the checkpoint is visible (the last agreement in _finish)
+        self._finish(writer, None, step, partial, final, record, begin, None)
 
-    def _finish(self, written: Future[Any] | None, partial: str, final: str, record: Mapping[str, Any],
-                begin: float) -> None:
-        if written is not None:
-            written.result()  # DCP's coordinator wrote .metadata after every rank's data
+    def _finish(self, writer: integrity.RecordingWriter | None, written: Future[Any] | None, step: int, partial: str,
+                final: str, record: Mapping[str, Any], begin: float, group: dist.ProcessGroup | None) -> None:
+        """Collect the file records on rank 0, which publishes; every rank learns the outcome.
+
+        The marker is written only after DCP's save returned on every rank (each rank's
+        files written, synced and hashed; ``.metadata`` written and synced by the coordinator).
+        """
+        error: BaseException | None = None
+        try:
+            if written is not None:
+                written.result()  # DCP's coordinator wrote .metadata after every rank's data
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in one line below
+            error = err
+        self._stop_if_failed(step, partial, error, group)
+        checksums: dict[str, Any] = {}
+        if writer is not None:  # a DCP save (a Hugging Face export is not resumable: no checksums)
+            try:  # a collective: every rank joins; only rank 0 can raise (two ranks claiming one file)
+                checksums = {"hash": writer.algorithm, "files": integrity.gather_file_records(
+                    writer.written, writer.algorithm, self.rank, self.world_size, group)}
+            except RuntimeError as err:
+                error = err
+        if self.rank == 0 and error is None:
+            try:
+                _publish(partial, final, {**record, **checksums})
+                purge_stale(self.folder, self.config.keep_latest_k)
+            except OSError as err:
+                error = err
+        self._stop_if_failed(step, partial, error, group)
         if self.rank == 0:
-            _publish(partial, final, record)
-            purge_stale(self.folder, self.config.keep_latest_k)
             logger.info(f"checkpoint: saved {final} ({'model only' if record['model_only'] else 'full'}) "
                         f"in {time.monotonic() - begin:.2f}s")
+
+    def _stop_if_failed(self, step: int, partial: str, error: BaseException | None,
+                        group: dist.ProcessGroup | None = None) -> None:
+        """Every rank learns whether any rank's part of the save of ``step`` failed; if one did,
+        rank 0 removes ``partial`` and every rank raises :class:`CheckpointSaveError`: one line
+        naming the folder, the errno, what was left, and the newest complete checkpoint."""
+        mine = None if error is None else (integrity.failed_rank(error, self.rank), integrity.save_failure(error)[1])
+        failures = integrity.agree_on_errors(mine, self.rank, self.world_size, group)
+        if not failures:
+            return
+        left = [""]
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            left[0] = ("removed" if not os.path.exists(partial)
+                       else "could not be removed: it stays, never loaded (no marker)")
+        if self.world_size > 1:
+            dist.broadcast_object_list(left, src=0, group=group)
+        failed_rank, what = failures[0][1]
+        newest = integrity.newest_complete(find_checkpoints(self.folder)[0])
+        raise CheckpointSaveError(
+            f"checkpoint: saving step-{step} into {self.folder} failed on rank {failed_rank}: {what}; "
+            f"{os.path.basename(partial)} {left[0]}; the newest complete checkpoint, {newest}, is untouched")
 
     def wait(self) -> None:
         """Block until a background save (``async_mode='async'``) is complete and visible."""
@@ -458,8 +539,8 @@ class CheckpointManager:
             future.result()
 
     # ------------------------------------------------------------------ load
-    def _choose(self, load_step: int) -> tuple[str, int, bool, list[str]] | None:
-        """(path, step, model_only, ignored folders) of what to load, or None: start fresh."""
+    def _choose(self, load_step: int) -> tuple[str, int, bool, list[str], dict[str, Any]] | None:
+        """(path, step, model_only, ignored folders, marker record) of what to load, or None: start fresh."""
         cfg = self.config
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise ValueError(f"checkpoint folder {self.folder!r} (job.dump_folder/checkpoint.folder) is not a folder.")
@@ -481,7 +562,7 @@ class CheckpointManager:
                 logger.warning(f"checkpoint: {self.folder} holds checkpoints, so checkpoint.initial_load_path "
                                f"{cfg.initial_load_path!r} is ignored.")
         elif cfg.initial_load_in_hf and (cfg.initial_load_path or self.hf_assets_path):
-            return cfg.initial_load_path or self.hf_assets_path, 0, True, incomplete
+            return cfg.initial_load_path or self.hf_assets_path, 0, True, incomplete, {}
         elif cfg.initial_load_path:
             path = cfg.initial_load_path
             if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
@@ -495,38 +576,104 @@ class CheckpointManager:
             if saved_model_only and not cfg.initial_load_model_only:
                 raise ValueError(f"checkpoint.initial_load_path={path!r} holds only the model; "
                                  "checkpoint.initial_load_model_only=False needs a full checkpoint.")
-            return path, int(record.get("step", 0)), cfg.initial_load_model_only or saved_model_only, incomplete
+            return (path, int(record.get("step", 0)), cfg.initial_load_model_only or saved_model_only, incomplete,
+                    record)
         else:
             return None
         if info.model_only and info.step != 0:
             full = [s for s, i in complete.items() if not i.model_only]
             hint = (f"pass --checkpoint.load_step {max(full)} (the newest full checkpoint) to resume from it"
                     if full else "no full checkpoint is there to resume from")
-            raise ValueError(f"{info.path} holds only the model (the last save of a run with "
-                             f"checkpoint.last_save_model_only=True), so training cannot resume from it: {hint}, "
-                             "or save full last checkpoints with --checkpoint.no-last_save_model_only.")
-        return info.path, info.step, info.model_only, incomplete
+            raise CheckpointLoadError(
+                f"step-{info.step}", f"holds only the model (the last save of a run with "
+                f"checkpoint.last_save_model_only=True), so training cannot resume from it: {hint}, "
+                "or save full last checkpoints with --checkpoint.no-last_save_model_only", info.path)
+        return info.path, info.step, info.model_only, incomplete, dict(info.record)
+
+    def _fallbacks(self, chosen: str | None) -> list[tuple[int, str, dict[str, Any]]]:
+        """The other checkpoints a run could resume from, newest first: ``(step, path, record)``."""
+        complete, _ = find_checkpoints(self.folder)
+        return [(s, i.path, dict(i.record)) for s, i in sorted(complete.items(), reverse=True)
+                if i.path != chosen and (not i.model_only or s == 0)]
+
+    def _verify(self, path: str, record: Mapping[str, Any], fallbacks: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """Every rank verifies its share of the files of ``path`` before DCP reads anything.
+
+        A mismatch raises :class:`CheckpointLoadError` naming the file, what differs and the
+        newest other checkpoint that verifies with the flag that loads it; never loads another.
+        A checkpoint without checksums (saved before they were recorded) loads with a warning.
+        """
+        name = os.path.basename(os.path.normpath(path))
+        problems = integrity.verify_checkpoint(path, record, self.rank, self.world_size)
+        if problems is None:
+            if self.rank == 0:
+                logger.warning(f"checkpoint {name}: its {COMPLETE_MARKER} records no checksums (saved before "
+                               f"they were recorded), so it loads unverified ({path})")
+            return
+        if not problems:
+            return
+        file, what = problems[0]
+        more = f" (and {len(problems) - 1} more file(s) differ)" if len(problems) > 1 else ""
+        raise CheckpointLoadError(name, f"{file} {what}{more}; {self._newest_good(fallbacks)}",
+                                  os.path.join(path, file))
+
+    def _newest_good(self, fallbacks: list[tuple[int, str, dict[str, Any]]]) -> str:
+        """Which of ``fallbacks`` (newest first) verifies, and the flag that loads it (every rank
+        verifies its share of each in turn, until one verifies)."""
+        for step, other, other_record in fallbacks:
+            checked = integrity.verify_checkpoint(other, other_record, self.rank, self.world_size)
+            if checked is None:
+                return (f"the newest other checkpoint is step-{step}, saved without checksums: "
+                        f"--checkpoint.load_step {step} loads it unverified")
+            if not checked:
+                return f"the newest checkpoint that verifies is step-{step}: load it with --checkpoint.load_step {step}"
+        return "no other checkpoint verifies"
+
+    def _damaged_newer(self, chosen_step: int | None) -> tuple[str, str, str] | None:
+        """``(name, what, file)`` of a published ``step-N`` folder newer than ``chosen_step`` that is
+        not a complete checkpoint (a save renames its folder only once complete, so this one was
+        damaged or copied in part): loading an older one instead would be a silent fallback."""
+        _, incomplete = find_checkpoints(self.folder)
+        damaged = sorted((int(m.group(1)), p) for p in incomplete if (m := _STEP_DIR.match(os.path.basename(p))))
+        if not damaged or (chosen_step is not None and damaged[-1][0] <= chosen_step):
+            return None
+        step, path = damaged[-1]
+        marker, metadata = os.path.join(path, COMPLETE_MARKER), os.path.join(path, _DCP_METADATA)
+        if not os.path.exists(marker):
+            what, file = (f"no {COMPLETE_MARKER} marker: not a save that finished here (a folder copied in part?)",
+                          marker)
+        elif _read_marker(path) is None:
+            what, file = f"its {COMPLETE_MARKER} marker cannot be read or is not a JSON record", marker
+        else:
+            what, file = f"no DCP {_DCP_METADATA} file", metadata
+        return f"step-{step}", what, file
 
     def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` naming the first key whose shape differs from the checkpoint's
-        (``metadata``: its DCP metadata by key), or a model key either side lacks."""
+        """Raise :class:`CheckpointLoadError` naming the first key whose shape differs from the
+        checkpoint's (``metadata``: its DCP metadata by key), or a model key either side lacks."""
+        try:
+            self._compare(metadata, states)
+        except ValueError as err:
+            raise CheckpointLoadError(os.path.basename(os.path.normpath(path)), str(err), path) from None
+
+    def _compare(self, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
         model = {k: v for k, v in states.items() if k not in self.states}
         saved_model = {k for k in metadata if k.split(".", 1)[0] not in self.states}
         for key, value in model.items():
             saved = metadata.get(key)
             if saved is None:
-                raise ValueError(f"checkpoint {path} was saved from another model: it has no {key!r} "
+                raise ValueError(f"saved from another model: it has no {key!r} "
                                  f"(it holds {len(saved_model)} model tensors, e.g. {sorted(saved_model)[:3]}).")
             if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != _shape(value):
-                raise ValueError(f"checkpoint {path} was saved from another model: {key!r} has shape "
+                raise ValueError(f"saved from another model: {key!r} has shape "
                                  f"{tuple(saved.size)} there and {_shape(value)} in this model.")
         extra = sorted(saved_model - set(model))
         if extra:
-            raise ValueError(f"checkpoint {path} was saved from another model: it holds {extra[0]!r}, "
+            raise ValueError(f"saved from another model: it holds {extra[0]!r}, "
                              f"which this model lacks ({len(extra)} such keys).")
         for entry in (k for k in states if k in self.states):
             if not any(k == entry or k.startswith(entry + ".") for k in metadata):
-                raise ValueError(f"checkpoint {path} has no {entry!r} entry; leave it out with "
+                raise ValueError(f"it has no {entry!r} entry; leave it out with "
                                  f"--checkpoint.exclude_from_loading {entry}.")
 
     @torch.no_grad()
@@ -534,47 +681,75 @@ class CheckpointManager:
         """Load the latest complete checkpoint (or ``step``), else ``initial_load_path``.
 
         Returns the step to continue after (0: from the start, also after a model-only
-        load). Raises ``ValueError`` for a missing step, a folder that is not a checkpoint,
-        a checkpoint of another model (naming the first mismatched key and both shapes),
-        or a model-only checkpoint to resume from.
+        load). Raises ``ValueError`` for a missing step or a folder that is not a checkpoint,
+        and :class:`CheckpointLoadError` (one line, ``checkpoint step-N: <what> (<file>)``) for
+        a file that does not match its checksum, a newer ``step-N`` that is not complete, a
+        checkpoint of another model (naming the first mismatched key and both shapes), a
+        model-only checkpoint to resume from, or any DCP or torch error while reading.
         """
         if not self.enable:
             return 0
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice[0] = ("ok", self._choose(step))
+                chosen = self._choose(step)
+                mine = chosen is not None and os.path.dirname(chosen[0]) == self.folder  # not initial_load_path
+                damaged = self._damaged_newer(chosen[1] if mine else None) if step == -1 else None
+                fallbacks = self._fallbacks(chosen[0] if chosen is not None and damaged is None else None)
+                choice[0] = ("ok", (chosen, fallbacks, damaged))
             except ValueError as err:
                 choice[0] = ("error", str(err))
+            except OSError as err:  # the folder cannot be listed or read
+                choice[0] = ("error", f"checkpoint folder {self.folder!r}: {integrity.save_failure(err)[1]}")
         if self.world_size > 1:  # one decision for every rank
             dist.broadcast_object_list(choice, src=0)
         status, value = choice[0]
         if status == "error":
             raise ValueError(value)
-        if value is None:
+        chosen, fallbacks, damaged = value
+        if damaged is not None:
+            name, what, file = damaged
+            raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file)
+        if chosen is None:
             return 0
-        path, saved_step, model_only, ignored = value
+        path, saved_step, model_only, ignored, record = chosen
         begin = time.monotonic()
+        name = os.path.basename(os.path.normpath(path))
         exclude = tuple(self.config.exclude_from_loading)
         states = self._states(model_only, exclude)
         if self.config.initial_load_in_hf and path == (self.config.initial_load_path or self.hf_assets_path):
             assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
             hf_checkpoint.load_hf(states, path, self.sd_adapter)
             return self._loaded(states, path, saved_step, model_only, ignored, begin)
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        self._verify(path, record, fallbacks)
+        try:
+            metadata = integrity.NamingReader(path).read_metadata().state_dict_metadata
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(name, integrity.describe_load_failure(err, path)[0],
+                                      os.path.join(path, _DCP_METADATA)) from None
         rng = states.get(RNG)
         if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
         self._check_against(path, metadata, states)
-        dcp.load(states, checkpoint_id=path)
+        try:
+            dcp.load(states, storage_reader=integrity.NamingReader(path), checkpoint_id=path)
+        except CheckpointException as err:  # raised on every rank alike: they can look for a good one together
+            what, file = integrity.describe_load_failure(err, path)
+            raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file) from None
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
         return self._loaded(states, path, saved_step, model_only, ignored, begin)
 
     def _loaded(self, states: dict[str, Any], path: str, saved_step: int, model_only: bool,
                 ignored: list[str], begin: float) -> int:
         """Set the model from the loaded ``states``; record and log the load; the step to continue after."""
         exclude = tuple(self.config.exclude_from_loading)
-        model_state = {k: v for k, v in states.items() if k not in self.states}
-        set_model_state_dict(self.model, self.views.unwrap(model_state))
+        name = os.path.basename(os.path.normpath(path))
+        try:
+            model_state = {k: v for k, v in states.items() if k not in self.states}
+            set_model_state_dict(self.model, self.views.unwrap(model_state))
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
         self.views.originals.clear()
         resumed = 0 if model_only or TRAIN_STATE in exclude else self.train_state.step
         seconds = time.monotonic() - begin
