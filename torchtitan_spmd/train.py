@@ -200,7 +200,7 @@ class Trainer:
         self.tokenizer = Tokenizer()
         self.model_config = self.model_spec.model_config(job_config.model.flavor,
                                                          vocab_size=self.tokenizer.vocab_size)
-        representation_cls = get_representation(par.spmd_backend)
+        representation_cls = get_representation(par.spmd_backend)  # the runtime exists, before any mesh
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group
         # gets comm.init_timeout_seconds until the first step is done.
@@ -257,7 +257,7 @@ class Trainer:
         train_context = functools.partial(
             get_train_context,
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
-            parallel_dims=self.parallel_dims,
+            parallel_dims=self.parallel_dims, representation=self.representation,
         )
         self.train_context = train_context(spmd_typechecking=job_config.debug.spmd_typechecking)
         #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).

@@ -94,5 +94,6 @@ def test_getters_build_lazily(fake_pg) -> None:
     assert pd._single_axis_meshes == {}
     assert pd.get_optional_mesh("tp") is None  # inactive, but the meshes are built now
     assert pd._single_axis_meshes["fsdp"].size() == 2
-    # size > 1, fake-backed efsdp (ep == 1) included, as torchtitan's
-    assert pd.get_all_one_dimensional_meshes().keys() == {"fsdp", "batch", "loss", "efsdp"}
+    # size > 1 and a real group: fake-backed efsdp (ep == 1, size 2) left out, as torchtitan's #4068
+    assert pd._single_axis_meshes["efsdp"].size() == 2
+    assert pd.get_all_one_dimensional_meshes().keys() == {"fsdp", "batch", "loss"}

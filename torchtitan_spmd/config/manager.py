@@ -36,12 +36,13 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from ._section import invalid_choice
-from .configs import SPMD_BACKEND_ALIASES, SpmdBackend
+from .backends import backend_names, resolve_backend
+from .configs import SpmdBackend
 from .job_config import JobConfig
 
 if TYPE_CHECKING:
@@ -95,13 +96,13 @@ def _spmd_backend_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any]
     """``spmd_backend`` accepts its aliases and names the closest choice when wrong."""
     if info.type != SpmdBackend:
         return None
-    choices = get_args(SpmdBackend)
+    choices = backend_names()  # the registry's, at parse time
 
     def from_str(args: list[str]) -> str:
-        value = SPMD_BACKEND_ALIASES.get(args[0], args[0])
-        if value not in choices:
-            raise invalid_choice("", args[0], choices)
-        return value
+        try:
+            return resolve_backend(args[0])
+        except ValueError:
+            raise invalid_choice("", args[0], choices) from None
 
     return _tyro().constructors.PrimitiveConstructorSpec(
         nargs=1,

@@ -93,8 +93,6 @@ class SpmdTypesRepresentation(TensorRepresentation):
     """Plain local shards typed with spmd_types; see the package docstring."""
 
     name: ClassVar[str] = "spmd_types"
-    supports_typechecking: ClassVar[bool] = True
-    supports_context_parallel: ClassVar[bool] = True
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         super().__init__(parallel_dims)
