@@ -38,6 +38,7 @@ from torchtitan_spmd.config import (
     OptimizerConfig,
     check_supported,
 )
+from torchtitan_spmd.config.manager import LIBRARY_FIRST
 from torchtitan_spmd.data import Tokenizer, build_dataloader
 from torchtitan_spmd.distributed import comm
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
@@ -462,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
     try:
-        job_config = ConfigManager().parse_args(list(argv) if argv is not None else None)
+        job_config = ConfigManager(module_packages=LIBRARY_FIRST).parse_args(list(argv) if argv is not None else None)
     except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
