@@ -15,7 +15,13 @@ from collections.abc import Iterator
 import pytest
 from parity_helpers import PARITY_CONFIGS, check_parity, job_config, warm_parent
 
-from torchtitan_spmd.config import ConfigManager, DebugConfig, JobConfig, ParallelismConfig, backends
+from torchtitan_spmd.config import (
+    ConfigManager,
+    DebugConfig,
+    JobConfig,
+    ParallelismConfig,
+    backends,
+)
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.launcher import run_forked
 

@@ -153,11 +153,13 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------------------
 # Finding the config function.
 # --------------------------------------------------------------------------------------
-def short_module_names(package: str = MODELS_PACKAGE) -> list[str]:
-    """The ``--module`` short names of ``package``: its subpackages with a ``config_registry``.
+def short_module_names(package: str | None = None) -> list[str]:
+    """The ``--module`` short names of ``package`` (default :data:`MODELS_PACKAGE`): its
+    subpackages with a ``config_registry``.
 
     Found on disk (only ``package``'s parents are imported); ``[]`` when it does not exist.
     """
+    package = MODELS_PACKAGE if package is None else package
     try:
         spec = importlib.util.find_spec(package)
     except ModuleNotFoundError:
@@ -239,11 +241,13 @@ class ConfigManager:
                                              "llama3_debugmodel", "--training.steps", "5"])
     """
 
-    def __init__(self, *, module_packages: Sequence[str] = FORK_FIRST) -> None:
+    def __init__(self, *, module_packages: Sequence[str] | None = None) -> None:
         """``module_packages``: where a short ``--module NAME`` is looked for, in order
         (default :data:`FORK_FIRST`: a fork's ``torchtitan.models``, ``torchtitan.experiments``,
         then this library's families; its trainer uses :data:`LIBRARY_FIRST`)."""
         self.register_tyro_rules(_custom_registry())
+        if module_packages is None:
+            module_packages = FORK_FIRST
         if isinstance(module_packages, str) or not all(isinstance(p, str) and p for p in module_packages):
             raise TypeError(
                 f"ConfigManager: module_packages must be a sequence of package names, got {module_packages!r}."
