@@ -11,39 +11,15 @@ library's ``ParallelDims`` (torch's fake process group: types only). Also
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-
 import pytest
 import spmd_types as st
 import torch
-import torch.distributed as dist
 
 from torchtitan_spmd.distributed.parallel_dims import MeshAxisName, ParallelDims, SpmdLayout
 from torchtitan_spmd.distributed.spmd_types import set_current_spmd_mesh, spmd_distribute_tensor
 
 pytestmark = pytest.mark.backend("spmd_types")
 DP, CP, TP = MeshAxisName.DP, MeshAxisName.CP, MeshAxisName.TP
-
-
-@pytest.fixture
-def fake_world() -> Iterator[Callable[..., None]]:
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-    def init(world_size: int, rank: int = 0) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if "torch.distributed.tensor" in sys.modules:
-            from torch.distributed.tensor import DTensor
-
-            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 @pytest.mark.parametrize(("degrees", "world"), [((1, 2, 2, 2), 8), ((2, 2, 1, 1), 4), ((1, 1, 1, 1), 1)])
