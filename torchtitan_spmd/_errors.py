@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import sys
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
+
+
+class MissingExtraError(ImportError, ValueError):
+    """An optional dependency is not installed. Also a ``ValueError``: the trainer reports it as
+    a setup error (one line, exit status 2), like a bad config value."""
+
+
+def require(module: str, extra: str, feature: str) -> Any:
+    """Import ``module`` or raise :class:`MissingExtraError` naming the feature and the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(f"{feature} needs the {module!r} package: pip install 'torchtitan-spmd[{extra}]' "
+                                f"({err}).") from None
 
 
 def suggest(value: Any, choices: Iterable[Any]) -> str:

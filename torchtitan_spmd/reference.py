@@ -238,8 +238,10 @@ def checkpoint_weights(path: str, like: Mapping[str, torch.Tensor]) -> dict[str,
     return state
 
 
-def global_batches(job_config: JobConfig, global_batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``training.steps`` global batches of ``global_batch`` sequences, from the single-process loader.
+def global_batches(job_config: JobConfig, global_batch: int, seed: int,
+                   tokenizer: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``training.steps`` global batches of ``global_batch`` sequences, from the single-process loader
+    (``training.dataset``, tokenised with ``tokenizer`` for a file dataset).
 
     Each must be a next-token pair (``labels[:, :-1] == inputs[:, 1:]``).
     """
@@ -247,7 +249,8 @@ def global_batches(job_config: JobConfig, global_batch: int, seed: int) -> list[
 
     training = job_config.training
     loader = build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=global_batch, seq_len=training.seq_len,
-                              seed=seed)
+                              seed=seed, dataset=training.dataset, dataset_path=training.dataset_path,
+                              tokenizer=tokenizer)
     batches = [next(loader) for _ in range(training.steps)]
     for step, (tokens, labels) in enumerate(batches, 1):
         if tokens.shape != (global_batch, training.seq_len) or not torch.equal(labels[:, :-1], tokens[:, 1:]):
@@ -274,12 +277,13 @@ def run_reference(job_config: JobConfig, *, global_batch: int,
     ``global_batch``: sequences per step over all data-parallel ranks (``local_batch_size``
     times the data-parallel degree of the run it is compared with).
     """
-    from torchtitan_spmd.data import Tokenizer
+    from torchtitan_spmd.data import build_tokenizer
     from torchtitan_spmd.models import get_model_spec
 
     cfg = job_config
     seed = cfg.debug.seed if cfg.debug.seed is not None else 0
-    vocab = Tokenizer().vocab_size
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    vocab = tokenizer.model_vocab_size
     model_config = get_model_spec(cfg.model.name).model_config(cfg.model.flavor, vocab_size=vocab)
     opt = cfg.optimizer
     betas = (float(getattr(opt, "beta1", ADAMW_BETAS[0])), float(getattr(opt, "beta2", ADAMW_BETAS[1])))
@@ -287,7 +291,7 @@ def run_reference(job_config: JobConfig, *, global_batch: int,
     if cfg.checkpoint.enable and cfg.checkpoint.initial_load_path:
         weights = checkpoint_weights(cfg.checkpoint.initial_load_path, weights)
     return train(
-        weights, global_batches(cfg, global_batch, seed),
+        weights, global_batches(cfg, global_batch, seed, tokenizer),
         architecture(cfg, model_config), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=betas,
         warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=cfg.training.steps,
         min_lr_factor=cfg.lr_scheduler.min_lr_factor, max_norm=float(cfg.training.max_norm), dtype=dtype,

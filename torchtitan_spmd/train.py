@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,8 @@ from torchtitan_spmd.config import (
     check_supported,
 )
 from torchtitan_spmd.config.manager import LIBRARY_FIRST
-from torchtitan_spmd.data import Tokenizer, build_dataloader
-from torchtitan_spmd.distributed import comm
+from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_size
+from torchtitan_spmd.distributed import comm, hf_checkpoint
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.checkpoint import CheckpointManager
@@ -63,7 +64,11 @@ from torchtitan_spmd.distributed.utils import (
     spmd_backend_scope,
 )
 from torchtitan_spmd.models import get_model_spec
+from torchtitan_spmd.tools.metrics import build_metrics_logger
 from torchtitan_spmd.tools.utils import GarbageCollection
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 logger = logging.getLogger("torchtitan_spmd")
 
@@ -198,9 +203,13 @@ class Trainer:
         par = job_config.parallelism
         self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
         self.model_spec = get_model_spec(job_config.model.name)
-        self.tokenizer = Tokenizer()
-        self.model_config = self.model_spec.model_config(job_config.model.flavor,
-                                                         vocab_size=self.tokenizer.vocab_size)
+        # model.hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
+        # is the tokenizer's (padded to a multiple of 64).
+        self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+        self.model_config = hf_checkpoint.resolve_model_config(
+            self.model_spec, job_config, vocab_size=self.tokenizer.model_vocab_size)
+        check_vocab_size(self.model_config.vocab_size, self.tokenizer,
+                         model=f"{job_config.model.name}/{job_config.model.flavor}")
         representation_cls = get_representation(par.spmd_backend)  # the runtime exists, before any mesh
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group
@@ -254,7 +263,10 @@ class Trainer:
             dp_rank=dp_rank, dp_degree=dp_degree,
             local_batch_size=rows,
             seq_len=training.seq_len, seed=self.seed,
+            dataset=training.dataset, dataset_path=training.dataset_path, tokenizer=self.tokenizer,
         )
+        #: ``metrics.enable_tensorboard``: rank 0 writes the logged steps' scalars.
+        self.metrics = build_metrics_logger(job_config.metrics, job_config.job.dump_folder, writes=self.rank == 0)
         train_context = functools.partial(
             get_train_context,
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
@@ -283,9 +295,15 @@ class Trainer:
             lr_scheduler=self.scheduler, dataloader=self.dataloader, representation=self.representation,
             state_layouts=self.state_layouts, device_type=self.device_type,
             timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
+            sd_adapter=self._sd_adapter(), hf_assets_path=hf_checkpoint.hf_folder(cfg),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
                     "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
         )
+
+    def _sd_adapter(self) -> StateDictAdapter | None:
+        """The family's Hugging Face state-dict adapter for this model config (None: the family has none)."""
+        adapter_cls = self.model_spec.state_dict_adapter
+        return adapter_cls(self.model_config, hf_checkpoint.hf_folder(self.job_config)) if adapter_cls else None
 
     def build_model(self) -> nn.Module:
         """Build the model on the meta device, then compose the techniques, in this order.
@@ -394,6 +412,7 @@ class Trainer:
                 self.use_train_timeout()
             if self.rank == 0 and (step % log_freq == 0 or step == steps):
                 logger.info(record.log_line())
+                self.metrics.log(record)
             self.checkpointer.save(step, last_step=step == steps)
         self.checkpointer.wait()
         return records
@@ -414,6 +433,9 @@ class Trainer:
         gc_handler = getattr(self, "gc_handler", None)
         if gc_handler is not None:
             gc_handler.close()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -129,8 +129,9 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
     ],
 }
 
-#: This library's own fields inside torchtitan's sections.
-OURS = {TrainingConfig: ["device"]}
+#: This library's own fields inside torchtitan's sections (``dataset``, ``dataset_path``:
+#: torchtitan's ``[training]`` fields before a0c831c49 moved them to ``dataloader``).
+OURS = {TrainingConfig: ["device", "dataset", "dataset_path"]}
 
 
 @pytest.mark.parametrize("cls", list(UPSTREAM), ids=lambda c: c.__name__)

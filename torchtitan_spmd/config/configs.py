@@ -22,9 +22,10 @@ from typing import Any, Literal, get_args
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from . import backends as _backends
-from ._section import Section
+from ._section import Section, invalid_choice
 
 __all__ = [
+    "DATASETS",
     "SPMD_BACKENDS",
     "SPMD_BACKEND_ALIASES",
     "ActivationCheckpointConfig",
@@ -47,6 +48,9 @@ SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
 #: The built-in values of ``parallelism.spmd_backend``, in documentation order
 #: (:func:`.backends.backend_names` adds any registered later).
 SPMD_BACKENDS: tuple[str, ...] = get_args(SpmdBackend)
+
+#: The valid values of ``training.dataset`` (``"synthetic"``, the default, first).
+DATASETS: tuple[str, ...] = ("synthetic", "c4_test", "text", "json", "parquet")
 
 #: Spellings written by newer torchtitan releases, normalised on load
 #: (the registry's table: ``"partial_dtensor"`` is upstream's later name for ``"default"``).
@@ -86,6 +90,12 @@ class ModelConfig(Section):
 
     flavor: str = "debugmodel"
     """Size preset of the family, e.g. ``"debugmodel"``."""
+
+    hf_assets_path: str | None = None
+    """A Hugging Face assets folder (torchtitan's ``model.hf_assets_path``): its
+    ``tokenizer.json`` (and ``tokenizer_config.json`` for BOS/EOS) is the tokenizer, through
+    the ``tokenizers`` package (``pip install torchtitan-spmd[hf]``). None (this library's
+    default; torchtitan's is ``"./tests/assets/tokenizer"``): the built-in byte tokenizer."""
 
 
 @dataclass(kw_only=True)
@@ -146,9 +156,18 @@ class MetricsConfig(Section):
     log_freq: int = 1
     """Log every ``log_freq`` steps (and always the last step)."""
 
+    enable_tensorboard: bool = False
+    """Write loss, grad norm, lr, tokens/s and memory of every step as TensorBoard scalars
+    (torchtitan's field; needs ``pip install torchtitan-spmd[tensorboard]``)."""
+
+    save_tb_folder: str = "tb"
+    """Folder under ``job.dump_folder`` for the TensorBoard event files (torchtitan's field);
+    each run writes a ``YYYYmmdd-HHMM`` subfolder, as torchtitan."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require(self.log_freq >= 1, "log_freq", "must be >= 1")
+        self._require(bool(self.save_tb_folder.strip()), "save_tb_folder", "must not be empty")
 
 
 # --------------------------------------------------------------------------------------
@@ -200,6 +219,19 @@ class TrainingConfig(Section):
     """Where to train: ``"auto"`` picks CUDA (nccl) when available, else CPU (gloo).
     (This library's own field.)"""
 
+    dataset: str = "synthetic"
+    """The training data (torchtitan's ``training.dataset`` before its config moved to
+    ``dataloader.dataset``): ``"synthetic"`` (the default: generated in code, byte-level),
+    ``"c4_test"`` (torchtitan's local test set: a folder of JSON lines with a ``text`` field,
+    ``tests/assets/c4_test`` unless ``dataset_path``), or local files of one format read
+    through the ``datasets`` package (``pip install torchtitan-spmd[hf]``) at ``dataset_path``:
+    ``"text"`` (one document per line), ``"json"`` (JSON lines with a ``text`` field) or
+    ``"parquet"`` (a ``text`` column). Nothing is downloaded."""
+
+    dataset_path: str | None = None
+    """Where the dataset's files are (a file, a folder or a glob pattern); required for
+    ``"text"``, ``"json"`` and ``"parquet"``, not allowed for ``"synthetic"``."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("steps", "local_batch_size", "seq_len", "gc_freq"):
@@ -209,6 +241,18 @@ class TrainingConfig(Section):
             "global_batch_size", "must be >= 1, or -1 for local_batch_size * data-parallel degree",
         )
         self._require_finite("max_norm", minimum=0, strict=False)
+        if self.dataset in ("c4", "c4_validation"):
+            raise ValueError(f"training.dataset={self.dataset!r} is torchtitan's download of allenai/c4; "
+                             "nothing is downloaded here: use 'json' with training.dataset_path on a "
+                             "local copy of its JSON lines, or 'c4_test'.")
+        if self.dataset not in DATASETS:
+            raise invalid_choice("training.dataset", self.dataset, DATASETS)
+        if self.dataset == "synthetic" and self.dataset_path is not None:
+            raise ValueError(f"training.dataset_path={self.dataset_path!r} needs a file dataset: set "
+                             f"training.dataset to one of {', '.join(map(repr, DATASETS[1:]))}.")
+        if self.dataset in ("text", "json", "parquet") and not self.dataset_path:
+            raise ValueError(f"training.dataset={self.dataset!r} needs training.dataset_path "
+                             "(a file, a folder or a glob pattern of local files).")
 
 
 _DEGREES = (

@@ -72,8 +72,8 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
         "pipeline_parallel_microbatch_size",
     ),
-    *_rows(CheckpointConfig, "Hugging Face safetensors checkpoints", "initial_load_in_hf",
-           "initial_load_in_hf_quantized", "last_save_in_hf"),
+    *_rows(CheckpointConfig, "loading quantized Hugging Face checkpoints (dequantized on load)",
+           "initial_load_in_hf_quantized"),
     Unsupported(CheckpointConfig, "async_mode", "asynchronous checkpointing through pinned shared memory "
                 "in a separate process", also_allowed=("async",)),
     Unsupported(ActivationCheckpointConfig, "mode",

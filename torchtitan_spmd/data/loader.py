@@ -146,13 +146,20 @@ class ShardedBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         _check_int("step", step, 0)
         samples = state.get("samples", step * self.global_batch_size)
         _check_int("samples", samples, 0)
-        if samples % self.global_batch_size:
-            raise ValueError(
-                f"the data position ({samples} samples read) is not a whole number of global batches of "
-                f"{self.global_batch_size} (local_batch_size={self.local_batch_size} x data-parallel degree "
-                f"{self.dp_degree}); resume with a global batch size that divides {samples}."
-            )
-        self.step = samples // self.global_batch_size
+        self.step = steps_read(samples, self.local_batch_size, self.dp_degree)
+
+
+def steps_read(samples: int, local_batch_size: int, dp_degree: int) -> int:
+    """How many global batches of ``local_batch_size x dp_degree`` a saved position of
+    ``samples`` global samples is (``ValueError`` naming both when not a whole number)."""
+    global_batch_size = local_batch_size * dp_degree
+    if samples % global_batch_size:
+        raise ValueError(
+            f"the data position ({samples} samples read) is not a whole number of global batches of "
+            f"{global_batch_size} (local_batch_size={local_batch_size} x data-parallel degree "
+            f"{dp_degree}); resume with a global batch size that divides {samples}."
+        )
+    return samples // global_batch_size
 
 
 def build_dataloader(
@@ -162,7 +169,10 @@ def build_dataloader(
     local_batch_size: int,
     seq_len: int,
     seed: int,
-) -> ShardedBatchIterator:
+    dataset: str = "synthetic",
+    dataset_path: str | None = None,
+    tokenizer: Any = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's infinite iterator of ``(input_ids, labels)``.
 
     Both tensors are int64 ``[local_batch_size, seq_len]``; ``labels`` is
@@ -176,6 +186,12 @@ def build_dataloader(
         local_batch_size: samples per rank per step (>= 1).
         seq_len: tokens per sample (>= 1).
         seed: corpus seed (>= 0).
+        dataset, dataset_path: ``training.dataset`` / ``training.dataset_path``: the synthetic
+            data (:class:`ShardedBatchIterator`, byte-level) or local files
+            (:class:`~torchtitan_spmd.data.hf_datasets.PackedTextIterator`, same sharding
+            contract, tokenised with ``tokenizer``).
+        tokenizer: for a file dataset (None: the byte tokenizer). The synthetic data is
+            byte-level: any other tokenizer is an error.
 
     Raises:
         ValueError: a bad argument; the message names it and its value.
@@ -187,5 +203,16 @@ def build_dataloader(
     _check_int("local_batch_size", local_batch_size, 1)
     _check_int("seq_len", seq_len, 1)
     _check_int("seed", seed, 0)
-    return ShardedBatchIterator(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size,
-                                seq_len=seq_len, seed=seed)
+    if dataset == "synthetic":
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise ValueError("the synthetic data (training.dataset='synthetic') is byte-level; a tokenizer from "
+                             f"model.hf_assets_path={getattr(tokenizer, 'path', None)!r} needs a text dataset: set "
+                             "training.dataset ('json', 'text', 'parquet' or 'c4_test') and training.dataset_path.")
+        return ShardedBatchIterator(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size,
+                                    seq_len=seq_len, seed=seed)
+    from torchtitan_spmd.data.hf_datasets import PackedTextIterator, load_documents
+
+    documents = load_documents(dataset, dataset_path)
+    return PackedTextIterator(documents, tokenizer if tokenizer is not None else Tokenizer(), dp_rank=dp_rank,
+                              dp_degree=dp_degree, local_batch_size=local_batch_size, seq_len=seq_len,
+                              name=f"training.dataset={dataset!r} at {dataset_path!r}")

@@ -40,6 +40,15 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    @property
+    def model_vocab_size(self) -> int:
+        """The vocabulary the trainer gives the model: :attr:`vocab_size` (already padded)."""
+        return self.vocab_size
+
+    def encode_documents(self, texts: Iterable[str]) -> list[list[int]]:
+        """``[encode(t, add_bos=True, add_eos=True) for t in texts]``."""
+        return [self.encode(t, add_bos=True, add_eos=True) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``: special and unused ids are dropped; invalid UTF-8 is
         replaced by U+FFFD.

@@ -30,8 +30,9 @@ used when the run's folder holds no complete checkpoint (torchtitan: when the fo
 not exist); resuming from a model-only checkpoint other than step 0 (a final export,
 ``last_save_model_only``) is an error naming the newest full one, not a missing-key error
 from DCP; the model's keys and shapes are checked against the checkpoint before loading;
-``async_with_pinned_mem`` and the Hugging Face formats are not implemented (the trainer
-rejects them at setup, ``config/support.py``).
+``async_with_pinned_mem`` and quantized Hugging Face loads are not implemented (the trainer
+rejects them at setup, ``config/support.py``). Hugging Face safetensors in and out
+(``initial_load_in_hf``, ``last_save_in_hf``) are ``hf_checkpoint.py``'s, hooked in here.
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_spmd.config.support import check_supported
 
+from . import hf_checkpoint
 from .apply_plan import plain_fqn
 from .representation import StateLayout, TensorRepresentation
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CheckpointConfig
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -137,6 +140,8 @@ def find_checkpoints(folder: str) -> tuple[dict[int, CheckpointInfo], list[str]]
         if not m:
             continue
         record = _read_marker(path)
+        if record is not None and record.get("hf_export"):
+            continue  # a Hugging Face export (last_save_in_hf): model only, not resumable
         if record is None or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
             incomplete.append(path)
             continue
@@ -313,6 +318,8 @@ class CheckpointManager:
         device_type: ``"cpu"`` or ``"cuda"`` (which RNG states to keep).
         record: extra facts written into each checkpoint's marker (backend, degrees, ...).
         timeout: the timeout of the process group an async save writes through.
+        sd_adapter, hf_assets_path: the family's Hugging Face adapter and folder (upstream's
+            names), for ``initial_load_in_hf`` and ``last_save_in_hf``.
 
     Raises:
         ValueError: at construction, for an ``exclude_from_loading`` entry that is not one
@@ -323,8 +330,10 @@ class CheckpointManager:
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
                  representation: TensorRepresentation, state_layouts: Mapping[str, StateLayout],
                  device_type: str = "cpu", record: Mapping[str, Any] | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, sd_adapter: StateDictAdapter | None = None,
+                 hf_assets_path: str | None = None) -> None:
         self.config = config
+        self.sd_adapter, self.hf_assets_path = sd_adapter, hf_assets_path
         self.enable = config.enable
         self.folder = os.path.join(base_folder, config.folder)
         self.model = model
@@ -342,7 +351,7 @@ class CheckpointManager:
         if unknown:
             raise ValueError(f"checkpoint.exclude_from_loading: unknown {unknown}; the entries are "
                              f"{', '.join(map(repr, LOADABLE_ENTRIES))} (the model is always loaded).")
-        check_supported(config)  # the support table: async_mode, the Hugging Face fields
+        check_supported(config)  # the support table: async_mode, quantized Hugging Face loads
         self.async_mode = config.async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -418,6 +427,10 @@ class CheckpointManager:
         record = {**self.record, "step": step, "model_only": model_only, "format": FORMAT_VERSION,
                   "world_size": self.world_size, "torch": torch.__version__,
                   "export_dtype": self.config.export_dtype if model_only else None}
+        if model_only and step != 0 and self.config.last_save_in_hf and self.sd_adapter is not None:
+            hf_checkpoint.save_hf(states, partial, self.sd_adapter, dtype=self.config.export_dtype)
+            self._finish(None, partial, final, {**record, "hf_export": True}, begin)
+            return
         if use_async:
             written = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
             assert self._finisher is not None
@@ -468,6 +481,8 @@ class CheckpointManager:
             if cfg.initial_load_path:
                 logger.warning(f"checkpoint: {self.folder} holds checkpoints, so checkpoint.initial_load_path "
                                f"{cfg.initial_load_path!r} is ignored.")
+        elif cfg.initial_load_in_hf and (cfg.initial_load_path or self.hf_assets_path):
+            return cfg.initial_load_path or self.hf_assets_path, 0, True, incomplete
         elif cfg.initial_load_path:
             path = cfg.initial_load_path
             if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, _DCP_METADATA)):
@@ -543,12 +558,22 @@ class CheckpointManager:
         begin = time.monotonic()
         exclude = tuple(self.config.exclude_from_loading)
         states = self._states(model_only, exclude)
+        if self.config.initial_load_in_hf and path == (self.config.initial_load_path or self.hf_assets_path):
+            assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
+            hf_checkpoint.load_hf(states, path, self.sd_adapter)
+            return self._loaded(states, path, saved_step, model_only, ignored, begin)
         metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         rng = states.get(RNG)
         if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
         self._check_against(path, metadata, states)
         dcp.load(states, checkpoint_id=path)
+        return self._loaded(states, path, saved_step, model_only, ignored, begin)
+
+    def _loaded(self, states: dict[str, Any], path: str, saved_step: int, model_only: bool,
+                ignored: list[str], begin: float) -> int:
+        """Set the model from the loaded ``states``; record and log the load; the step to continue after."""
+        exclude = tuple(self.config.exclude_from_loading)
         model_state = {k: v for k, v in states.items() if k not in self.states}
         set_model_state_dict(self.model, self.views.unwrap(model_state))
         self.views.originals.clear()

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
     from torchtitan_spmd.distributed.plan import ShardingPlan
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
     "BUILTIN_FAMILIES",
@@ -62,6 +63,9 @@ class ModelSpec:
         sharding_plan: ``(config, *, sequence_parallel, loss_parallel)`` -> the plan.
         validate: ``(config, job_config, parallel_dims)``: raise ValueError, naming the
             field, for a config these degrees cannot shard (e.g. heads not divisible by TP).
+        state_dict_adapter: the family's Hugging Face adapter class (upstream's field), built
+            as ``adapter_cls(model_config, hf_assets_path)``; see
+            :mod:`torchtitan_spmd.models.state_dict_adapter`. None: no HF interop.
     """
 
     name: str
@@ -69,6 +73,7 @@ class ModelSpec:
     build: Callable[[Any], nn.Module]
     sharding_plan: Callable[..., ShardingPlan]
     validate: Callable[[Any, JobConfig, ParallelDims], None]
+    state_dict_adapter: type[StateDictAdapter] | None = None
 
     def model_config(self, flavor: str, *, vocab_size: int | None = None) -> Any:
         """The config of ``flavor``, with ``vocab_size`` replaced when given.

@@ -16,12 +16,14 @@ from .model import (
     ffn_hidden_dim,
 )
 from .plan import llama3_plan
+from .state_dict_adapter import Llama3StateDictAdapter
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 
 __all__ = [
+    "Llama3StateDictAdapter",
     "FLAVORS",
     "MODEL_SPEC",
     "Attention",
@@ -67,6 +69,7 @@ MODEL_SPEC = ModelSpec(
     build=Transformer,
     sharding_plan=llama3_plan,
     validate=validate,
+    state_dict_adapter=Llama3StateDictAdapter,
 )
 
 

@@ -9,12 +9,14 @@ from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible
 
 from .model import Qwen3Attention, Qwen3Block, Qwen3Config, Qwen3Model, apply_rotary_emb_half
 from .plan import qwen3_plan
+from .state_dict_adapter import Qwen3StateDictAdapter
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 
 __all__ = [
+    "Qwen3StateDictAdapter",
     "FLAVORS",
     "MODEL_SPEC",
     "Qwen3Attention",
@@ -59,6 +61,7 @@ MODEL_SPEC = ModelSpec(
     build=Qwen3Model,
     sharding_plan=qwen3_plan,
     validate=validate,
+    state_dict_adapter=Qwen3StateDictAdapter,
 )
 
 

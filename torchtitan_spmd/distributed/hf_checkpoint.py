@@ -1,0 +1,346 @@
+"""Technique: Hugging Face safetensors weights in and out, sharded, through DCP's HF storage classes.
+
+- **In** (``checkpoint.initial_load_in_hf``): a transformers ``save_pretrained`` folder (one
+  ``*.safetensors`` file, or several with ``model.safetensors.index.json``) is read with
+  :class:`torch.distributed.checkpoint.HuggingFaceStorageReader` straight into the model's
+  state dict of global-shape DTensors (the checkpoint technique's views, so every backend
+  and layout): each rank reads only its shard of every tensor.
+- **Out** (``checkpoint.last_save_in_hf``): the last, model-only save is written with
+  :class:`~torch.distributed.checkpoint.HuggingFaceStorageWriter` (every rank its shards,
+  then consolidated by DCP into full tensors, one file or the source's files), at
+  ``checkpoint.export_dtype``, with a ``config.json`` and ``model.safetensors.index.json``,
+  so ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` opens it as it is. The
+  folder is ``step-N`` with the usual completion marker (flagged ``hf_export``: skipped when
+  looking for a checkpoint to resume from).
+
+Names, row orders and ``config.json`` come from the family's adapter
+(:mod:`torchtitan_spmd.models.state_dict_adapter`). A tensor whose rows transformers orders
+differently (llama3's Q/K) cannot be read as a DTensor: a rank's contiguous rows are
+scattered rows of the transformers tensor. It is read as DCP's ``CheckpointableTensor``
+(torch >= 2.14): one local buffer of this rank's rows in the transformers order, described
+as the runs of contiguous transformers rows it holds, so DCP reads exactly those rows and
+no rank holds a full copy. (Hand-rolled because upstream permutes with DTensor views, which
+replicate a tensor whose heads are split across ranks.) To be written it is redistributed
+to a column-sharded DTensor (each rank all rows of its columns, permuted locally): DCP's
+HF writer keeps one chunk per tensor and rank in its shard files.
+
+Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from torchtitan_spmd._errors import MissingExtraError, require
+from torchtitan_spmd.models.state_dict_adapter import FROM_HF_FLAVOR, HFConfigError
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+    from torchtitan_spmd.models import ModelSpec
+    from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
+
+__all__ = [
+    "HF_EXTRA",
+    "MissingExtraError",
+    "hf_folder",
+    "load_hf",
+    "read_hf_config",
+    "resolve_model_config",
+    "save_hf",
+    "validate_hf_config",
+]
+
+#: The optional dependency group that brings ``safetensors``.
+HF_EXTRA = "hf"
+_CONFIG = "config.json"
+_INDEX = "model.safetensors.index.json"
+_SUFFIX = ".safetensors"
+
+logger = logging.getLogger("torchtitan_spmd")
+
+
+def require_safetensors() -> None:
+    """Import ``safetensors`` or raise :class:`MissingExtraError` naming the ``[hf]`` extra."""
+    require("safetensors", HF_EXTRA,
+            "Hugging Face checkpoints (checkpoint.initial_load_in_hf, checkpoint.last_save_in_hf)")
+
+
+def _has_checkpointable_tensor() -> bool:
+    try:
+        from torch.distributed.checkpoint.protocol import CheckpointableTensor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ====================================================================================== config
+def hf_folder(job_config: JobConfig) -> str | None:
+    """The Hugging Face folder: ``checkpoint.initial_load_path``, else a root ``hf_assets_path``
+    (upstream's field, where the root config has one)."""
+    path = job_config.checkpoint.initial_load_path
+    if path:
+        return path
+    for owner in (job_config, getattr(job_config, "model", None)):
+        assets = getattr(owner, "hf_assets_path", None)
+        if assets:
+            return str(assets)
+    return None
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``folder``; ValueError naming the path when it is missing or bad."""
+    path = os.path.join(folder, _CONFIG)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{folder!r} has no {_CONFIG}: a Hugging Face folder (save_pretrained) is needed "
+                         "for checkpoint.initial_load_in_hf and --model.flavor from_hf.") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object.")
+    return config
+
+
+def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
+    """Setup-time checks of the HF fields (ValueError naming the field): the combinations
+    upstream requires, a folder to read, an adapter for the family, the torch and the extra."""
+    ck = job_config.checkpoint
+    if not (ck.initial_load_in_hf or ck.last_save_in_hf or job_config.model.flavor == FROM_HF_FLAVOR):
+        return
+    for name in ("initial_load_in_hf", "last_save_in_hf"):
+        if getattr(ck, name) and not ck.enable:  # upstream ignores them silently then
+            raise ValueError(f"checkpoint.{name}=True needs checkpoint.enable=True (without it nothing is "
+                             f"{'loaded' if name.startswith('initial') else 'saved'}).")
+    if ck.initial_load_in_hf and not ck.initial_load_model_only:
+        raise ValueError("checkpoint.initial_load_in_hf=True needs checkpoint.initial_load_model_only=True "
+                         "(safetensors hold the model only).")
+    if ck.last_save_in_hf and not ck.last_save_model_only:
+        raise ValueError("checkpoint.last_save_in_hf=True needs checkpoint.last_save_model_only=True "
+                         "(safetensors hold the model only).")
+    if (ck.initial_load_in_hf or job_config.model.flavor == FROM_HF_FLAVOR) and hf_folder(job_config) is None:
+        what = "checkpoint.initial_load_in_hf" if ck.initial_load_in_hf else f"model.flavor={FROM_HF_FLAVOR!r}"
+        raise ValueError(f"{what} needs a Hugging Face folder: set checkpoint.initial_load_path "
+                         "(or the config's hf_assets_path, where it has one).")
+    if spec.state_dict_adapter is None:
+        raise ValueError(f"model.name={spec.name!r} has no Hugging Face state-dict adapter "
+                         "(ModelSpec.state_dict_adapter); checkpoint.*_in_hf cannot be used.")
+    if (ck.initial_load_in_hf or ck.last_save_in_hf) and not _has_checkpointable_tensor():
+        raise ValueError(f"checkpoint.initial_load_in_hf / last_save_in_hf need torch >= 2.14 (DCP's "
+                         f"CheckpointableTensor, for sharded Q/K rows); this is torch {torch.__version__}.")
+    if ck.initial_load_in_hf or ck.last_save_in_hf:
+        require_safetensors()
+
+
+def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int) -> Any:
+    """The model config of ``model.flavor``: a named flavour (vocabulary ``vocab_size``), or with
+    ``from_hf`` the HF folder's ``config.json`` sizes (its own vocabulary, which must hold
+    ``vocab_size`` ids). With ``checkpoint.initial_load_in_hf`` the folder's ``config.json``
+    must match the flavour: :class:`~torchtitan_spmd.models.state_dict_adapter.HFConfigError`
+    names the first field that differs and both values."""
+    validate_hf_config(job_config, spec)
+    flavor = job_config.model.flavor
+    if flavor != FROM_HF_FLAVOR:
+        config = spec.model_config(flavor, vocab_size=vocab_size)
+        if job_config.checkpoint.initial_load_in_hf:
+            folder = hf_folder(job_config)
+            assert folder is not None and spec.state_dict_adapter is not None
+            spec.state_dict_adapter(config, folder).check_hf_config(
+                read_hf_config(folder), where=os.path.join(folder, _CONFIG), flavor=flavor)
+        return config
+    folder = hf_folder(job_config)
+    assert folder is not None and spec.state_dict_adapter is not None
+    where = os.path.join(folder, _CONFIG)
+    config = spec.state_dict_adapter.model_config_from_hf(read_hf_config(folder), where=where)
+    if config.vocab_size < vocab_size:
+        raise HFConfigError(f"{where}: vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                         f"{vocab_size} ids.")
+    return config
+
+
+# ====================================================================================== shards
+def _local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """(this rank's local tensor, its global offsets, its sizes), or None off the mesh."""
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if value.device_mesh.get_coordinate() is None:
+            return None
+        sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return value.to_local(), tuple(offsets), tuple(sizes)
+    return value, (0,) * value.dim(), tuple(value.shape)
+
+
+class _RowRuns:
+    """This rank's rows of a tensor whose HF row order is ``our_rows[idx]``, to be read as DCP's
+    ``CheckpointableTensor``: :meth:`buffer` holds them in HF order, one shard per run of
+    contiguous HF rows. ``order[j]`` is the local row at buffer row ``j``."""
+
+    def __init__(self, local: torch.Tensor, offsets: tuple[int, ...], global_shape: tuple[int, ...],
+                 idx: torch.Tensor) -> None:
+        self.local = local
+        n_rows = local.shape[0]
+        hf_row_of_ours = torch.argsort(idx)  # our global row r is HF row hf_row_of_ours[r]
+        hf_rows = hf_row_of_ours[offsets[0]:offsets[0] + n_rows]
+        self.order = torch.argsort(hf_rows)
+        sorted_rows = hf_rows[self.order].tolist()
+        starts = [j for j in range(n_rows) if j == 0 or sorted_rows[j] != sorted_rows[j - 1] + 1]
+        ends = [*starts[1:], n_rows]
+        rest = tuple(offsets[1:])
+        self.global_shape = global_shape
+        self.global_offsets = tuple((sorted_rows[s], *rest) for s in starts)
+        self.local_offsets = tuple((s,) + (0,) * len(rest) for s in starts)
+        self.local_sizes = tuple((e - s, *local.shape[1:]) for s, e in zip(starts, ends, strict=True))
+
+    def buffer(self) -> torch.Tensor:
+        """A fresh buffer to read into, carrying the chunk description."""
+        buf = torch.empty(self.local.shape, dtype=self.local.dtype, device=self.local.device)
+        for name in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+            setattr(buf, name, getattr(self, name))
+        return buf
+
+    def scatter_back(self, buf: torch.Tensor) -> None:
+        """Copy a loaded buffer into the local rows."""
+        self.local.index_copy_(0, self.order.to(self.local.device), buf.to(self.local.dtype))
+
+
+def _hf_state(model_state: Mapping[str, Any], adapter: StateDictAdapter, *, fill: bool
+              ) -> tuple[dict[str, Any], list[tuple[_RowRuns, torch.Tensor]]]:
+    """The HF-named state dict DCP reads into (``fill=False``) or writes from (``fill=True``).
+
+    A tensor whose rows transformers orders differently goes, to be read, as this rank's
+    :class:`_RowRuns` buffer; to be written, as a DTensor sharded on its columns over every
+    mesh axis (every rank all the rows of a column slice, permuted locally): the HF writer
+    keeps one chunk per tensor and rank in its shard files, so the runs cannot go as they are.
+    """
+    hf: dict[str, Any] = {}
+    reordered: list[tuple[_RowRuns, torch.Tensor]] = []
+    for fqn, value in model_state.items():
+        key = adapter.hf_key(fqn)
+        if key is None or not isinstance(value, torch.Tensor):
+            continue
+        idx = adapter.hf_rows(fqn, value.shape[0])
+        if idx is None:
+            hf[key] = value
+        elif fill:
+            hf[key] = _rows_reordered_by_columns(value, idx)
+        else:
+            box = _local_box(value)
+            if box is None:
+                continue
+            local, offsets, _ = box
+            runs = _RowRuns(local, offsets, tuple(value.shape), idx)
+            buf = runs.buffer()
+            hf[key] = buf
+            reordered.append((runs, buf))
+    return hf, reordered
+
+
+def _rows_reordered_by_columns(value: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``value[idx]`` (global rows), as a DTensor sharded on dim 1 over every mesh axis (or a
+    plain tensor when ``value`` is one): no rank holds more than its share of the columns."""
+    if not isinstance(value, DTensor):
+        return value[idx.to(value.device)]
+    from torch.distributed.tensor import Shard
+
+    mesh = value.device_mesh
+    by_columns = value.redistribute(mesh, [Shard(1)] * mesh.ndim)
+    local = by_columns.to_local()
+    return DTensor.from_local(local[idx.to(local.device)], mesh, by_columns.placements,
+                              shape=value.shape, stride=value.stride())
+
+
+def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAdapter,
+                  metadata: Mapping[str, Any]) -> None:
+    """ValueError naming the first tensor the folder lacks, has in another shape, or has extra."""
+    for key, value in hf_state.items():
+        saved = metadata.get(key)
+        shape = tuple(getattr(value, "global_shape", None) or value.shape)
+        if saved is None:
+            raise ValueError(f"Hugging Face folder {folder!r} has no tensor {key!r} "
+                             f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
+        if tuple(saved.size) != shape:
+            raise ValueError(f"Hugging Face folder {folder!r}: {key!r} has shape {tuple(saved.size)} there "
+                             f"and {shape} in this model.")
+    extra = sorted(set(metadata) - set(hf_state))
+    if extra:
+        raise ValueError(f"Hugging Face folder {folder!r} holds {extra[0]!r}, which this "
+                         f"{adapter.model_type} model lacks ({len(extra)} such tensors).")
+
+
+@torch.no_grad()
+def load_hf(model_state: dict[str, Any], folder: str, adapter: StateDictAdapter) -> None:
+    """Fill ``model_state`` (our names; DTensors of global shape or full tensors) from the HF
+    safetensors in ``folder``, each rank reading only its shards."""
+    require_safetensors()
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    if not os.path.isdir(folder) or not any(n.endswith(_SUFFIX) for n in os.listdir(folder)):
+        what = "does not exist" if not os.path.exists(folder) else (
+            "is not a folder" if not os.path.isdir(folder) else
+            f"has no {_SUFFIX} file (contents: {sorted(os.listdir(folder))[:8]})")
+        raise ValueError(f"checkpoint.initial_load_path={folder!r} is not a Hugging Face checkpoint: it {what}.")
+    hf_state, reordered = _hf_state(model_state, adapter, fill=False)
+    reader = HuggingFaceStorageReader(folder)
+    _check_folder(folder, hf_state, adapter, reader.read_metadata().state_dict_metadata)
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder))
+    for runs, buf in reordered:
+        runs.scatter_back(buf)
+
+
+@torch.no_grad()
+def save_hf(model_state: Mapping[str, Any], folder: str, adapter: StateDictAdapter, *, dtype: str) -> None:
+    """Write ``model_state`` (already in ``dtype``) to ``folder`` as HF safetensors: every rank
+    its shards, consolidated into full tensors by DCP, then ``config.json`` and the index."""
+    require_safetensors()
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    hf_state, _ = _hf_state(model_state, adapter, fill=True)
+    writer = HuggingFaceStorageWriter(path=folder, fqn_to_index_mapping=adapter.fqn_to_index_mapping,
+                                      save_distributed=True, enable_consolidation=True)
+    dcp.save(hf_state, storage_writer=writer)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed or dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
+        _write_index(folder)
+        with open(os.path.join(folder, _CONFIG), "w") as f:
+            json.dump(adapter.hf_config(dtype), f, indent=2, sort_keys=True)
+        logger.info(f"checkpoint: wrote Hugging Face safetensors ({dtype}) with {_CONFIG} and {_INDEX}; "
+                    f"transformers.AutoModelForCausalLM.from_pretrained opens the folder")
+    if distributed:
+        dist.barrier()
+
+
+def _write_index(folder: str) -> None:
+    """``model.safetensors.index.json`` (``weight_map``: tensor -> file) over the folder's files."""
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(_SUFFIX)):
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = name
+                t = f.get_slice(key)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                total += n * torch.tensor([], dtype=_dtype(t.get_dtype())).element_size()
+    with open(os.path.join(folder, _INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
+        name, torch.float32)
