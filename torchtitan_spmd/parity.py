@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchtitan_spmd.config import SPMD_BACKENDS, ConfigManager, JobConfig
+from torchtitan_spmd.config.manager import LIBRARY_FIRST
 
 __all__ = [
     "BACKENDS",
@@ -459,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The base config names a type-checking backend (each run sets its own), so
         # that --debug.spmd_typechecking does not warn about the default backend.
         typed = next(b for b in BACKENDS if _typechecks(b))
-        base = ConfigManager().parse_args([*overrides, "--parallelism.spmd_backend", typed])
+        base = ConfigManager(module_packages=LIBRARY_FIRST).parse_args([*overrides, "--parallelism.spmd_backend", typed])
         if base.checkpoint.enable and not base.checkpoint.load_only:
             raise ValueError("--checkpoint.enable without --checkpoint.load_only: each backend would resume from "
                              "the checkpoints the one before it saved. Add --checkpoint.load_only (e.g. with "

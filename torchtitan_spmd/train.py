@@ -39,6 +39,7 @@ from torchtitan_spmd.config import (
     OptimizerConfig,
     check_supported,
 )
+from torchtitan_spmd.config.manager import LIBRARY_FIRST
 from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_size
 from torchtitan_spmd.distributed import comm, hf_checkpoint
 from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
@@ -219,7 +220,7 @@ class Trainer:
             max_seq_len=job_config.training.seq_len)
         check_vocab_size(self.model_config.vocab_size, self.tokenizer,
                          model=f"{job_config.model.name}/{job_config.model.flavor}")
-        representation_cls = get_representation(par.spmd_backend)
+        representation_cls = get_representation(par.spmd_backend)  # the runtime exists, before any mesh
         self.parallel_dims.build_mesh()
         # torch creates the mesh groups with its default timeout (30 min): every group
         # gets comm.init_timeout_seconds until the first step is done.
@@ -279,7 +280,7 @@ class Trainer:
         train_context = functools.partial(
             get_train_context,
             enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
-            parallel_dims=self.parallel_dims,
+            parallel_dims=self.parallel_dims, representation=self.representation,
         )
         self.train_context = train_context(spmd_typechecking=job_config.debug.spmd_typechecking)
         #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).
@@ -512,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
     try:
-        job_config = ConfigManager().parse_args(list(argv) if argv is not None else None)
+        job_config = ConfigManager(module_packages=LIBRARY_FIRST).parse_args(list(argv) if argv is not None else None)
     except (ValueError, TypeError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

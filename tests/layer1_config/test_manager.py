@@ -27,8 +27,9 @@ def parse(*args: str) -> object:
 
 @pytest.fixture
 def short_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Point ``--module NAME`` at the stand-in model registry ``acme_models``."""
+    """Point ``--module NAME`` at the stand-in model registry ``acme_models`` (no fork named torchtitan)."""
     monkeypatch.setattr(manager, "MODELS_PACKAGE", "acme_models")
+    monkeypatch.setattr(manager, "FORK_FIRST", ("torchtitan.models", "torchtitan.experiments", "acme_models"))
 
 
 # --------------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ def test_every_problem_is_listed_with_its_path_in_a_forks_root() -> None:
 
 
 def test_a_single_section_can_be_checked() -> None:
-    with pytest.raises(ValueError, match=r"^unsupported config values:\n  deterministic_warn_only=True"):
+    # a lone section is named by its section_name, as in a whole config
+    with pytest.raises(ValueError, match=r"^unsupported config values:\n  debug\.deterministic_warn_only=True"):
         check_supported(DebugConfig(deterministic_warn_only=True))
     check_supported(CommConfig())
 

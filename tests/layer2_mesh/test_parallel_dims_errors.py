@@ -76,11 +76,11 @@ def test_unknown_backend_lists_valid_ones() -> None:
     with pytest.raises(ValueError) as err:
         dims(spmd_backend="spmd_type")
     msg = str(err.value)
-    assert "unknown spmd_backend 'spmd_type'" in msg
+    assert "ParallelDims: spmd_backend: invalid value 'spmd_type'" in msg
     assert "'default', 'full_dtensor', 'spmd_types'" in msg
     assert "Did you mean 'spmd_types'?" in msg
     pd = dims()
-    with pytest.raises(ValueError, match="unknown spmd_backend"):
+    with pytest.raises(ValueError, match="spmd_backend: invalid value 'dtensor'"):
         pd.spmd_backend = "dtensor"
     assert dims(spmd_backend="partial_dtensor").spmd_backend == "default"  # upstream's later name
 
@@ -128,15 +128,6 @@ def test_unavailable_mesh(fake_pg, backend: str) -> None:
         pd.get_mesh(["ep", "efsdp"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_resolve_mesh_unknown_axis(backend: str) -> None:
-    pd = dims(dp_shard=2, tp=2, spmd_backend=backend)
-    with pytest.raises(ValueError, match="resolve_mesh: unknown axis 'dp_replicat'") as err:
-        pd.resolve_mesh(["dp_replicat", "tp"])
-    assert "'dp', 'dp_replicate', 'dp_shard'" in str(err.value)
-    assert "Did you mean 'dp_replicate'?" in str(err.value)
-
-
 @pytest.mark.backend("full_dtensor")
 def test_resolve_mesh_full_dtensor_requires_a_complete_mesh(fake_pg) -> None:
     fake_pg(8)
@@ -148,5 +139,6 @@ def test_resolve_mesh_full_dtensor_requires_a_complete_mesh(fake_pg) -> None:
     assert "resolved to axes ('dp_shard', 'tp')" in msg
     assert "not one of the SPMD meshes of spmd_backend='full_dtensor'" in msg
     assert "('dp_shard', 'cp', 'tp')" in msg
-    with pytest.raises(ValueError, match="Invalid mesh dim: 'fsdp'"):
-        pd.resolve_mesh(["fsdp", "tp"])  # default's name, not this backend's
+    # default's name, not this backend's: dropped (as torchtitan), leaving tp alone
+    with pytest.raises(ValueError, match=r"resolved to axes \('tp',\), which is not one of the SPMD"):
+        pd.resolve_mesh(["fsdp", "tp"])

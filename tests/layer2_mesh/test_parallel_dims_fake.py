@@ -36,6 +36,8 @@ GLOBAL_MESHES = {
     "full_dtensor": {"dense": BASE},
     "spmd_types": {"storage": BASE, "dense": ("pp", "dp", "cp", "tp")},
 }
+#: torchtitan names the loss mesh's one dim ``loss_mesh`` (its axis is ``loss``).
+DIM_NAME = {"loss": "loss_mesh"}
 COMMON_GLOBAL = {
     "data": ("pp", "batch", "cp", "tp"),
     "loss": ("loss",),
@@ -98,7 +100,7 @@ def test_axis_names_sizes_ranks_and_real_groups(built: ParallelDims, cfg: Cfg, b
     assert set(built.mesh_axis_names) == names
     for name in names:
         mesh = built.get_optional_mesh(name, include_singleton_axes=True)
-        assert mesh is not None and mesh.mesh_dim_names == (name,)
+        assert mesh is not None and mesh.mesh_dim_names == (DIM_NAME.get(name, name),)
         assert mesh.size() == len(groups[name]), name
         assert mesh.mesh.tolist() == groups[name], name
         assert ranks_of(mesh) == sorted(groups[name]), name
@@ -106,12 +108,13 @@ def test_axis_names_sizes_ranks_and_real_groups(built: ParallelDims, cfg: Cfg, b
         assert built.is_axis_active(name) is active[name], name
         assert (built.get_optional_mesh(name) is not None) is active[name], name
         assert built.get_optional_mesh(name, include_singleton_axes=True) is mesh  # cached
-    # As torchtitan: every 1-D mesh of size > 1, fake-backed ones (efsdp at ep=1) included.
+    # As torchtitan since #4068: every 1-D mesh of size > 1 with a real group
+    # (fake-backed ones, e.g. efsdp at ep=1, left out).
     one_d = built.get_all_one_dimensional_meshes()
-    assert set(one_d) == {n for n in names if len(groups[n]) > 1}
+    assert set(one_d) == {n for n in names if len(groups[n]) > 1 and active[n]}
     assert all(m is built.get_optional_mesh(n, include_singleton_axes=True) for n, m in one_d.items())
     assert set(built._single_axis_meshes) == names
-    assert all(m.mesh_dim_names == (n,) for n, m in built._single_axis_meshes.items())
+    assert all(m.mesh_dim_names == (DIM_NAME.get(n, n),) for n, m in built._single_axis_meshes.items())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,13 +122,16 @@ def test_global_meshes(built: ParallelDims, cfg: Cfg, backend: str) -> None:
     groups = expected_groups(cfg)
     expected = {**GLOBAL_MESHES[backend], **COMMON_GLOBAL}
     meshes = built.global_meshes
-    assert {k: m.mesh_dim_names for k, m in meshes.items()} == expected
+    assert {k: m.mesh_dim_names for k, m in meshes.items()} == {
+        k: tuple(DIM_NAME.get(a, a) for a in axes) for k, axes in expected.items()
+    }
     for key, mesh in meshes.items():
         assert mesh.shape == tuple(len(groups[a]) for a in expected[key]), key
         assert mesh.size() == math.prod(mesh.shape)
         assert mesh.get_coordinate() == tuple(groups[a].index(cfg.rank) for a in expected[key])
         for i, axis in enumerate(expected[key]):
-            assert ranks_of(built.get_mesh(axis) if built.is_axis_active(axis) else mesh[axis]) == sorted(groups[axis])
+            sub = built.get_mesh(axis) if built.is_axis_active(axis) else mesh[DIM_NAME.get(axis, axis)]
+            assert ranks_of(sub) == sorted(groups[axis])
             assert mesh.get_group(i) is built.get_optional_mesh(axis, include_singleton_axes=True).get_group()
     world = built.world_mesh
     assert world.mesh_dim_names == BASE and world.size() == cfg.world
@@ -133,6 +139,34 @@ def test_global_meshes(built: ParallelDims, cfg: Cfg, backend: str) -> None:
     assert all(m._get_root_mesh() is world for m in meshes.values())
     if "data" in meshes and cfg.world > 1:
         assert meshes["data"]["tp"].mesh.tolist() == groups["tp"]  # torch slicing agrees
+
+
+# torchtitan's ``ParallelDims._global_meshes`` (a0c831c49 ``build_mesh``), by its keys.
+UPSTREAM_GLOBAL = {
+    "default": {"dense": ("pp", "dp_replicate", "fsdp", "tp")},
+    "full_dtensor": {"dense": BASE},
+    "spmd_types": {"dense": BASE, "spmd_dense_for_fwdbwd": ("dp", "cp", "tp")},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_upstream_global_meshes(built: ParallelDims, cfg: Cfg, backend: str) -> None:
+    """``_global_meshes`` has torchtitan's keys (its spmd_types helpers read ``spmd_dense_for_fwdbwd``)."""
+    groups = expected_groups(cfg)
+    expected = {"dataloading": ("pp", "batch", "cp", "tp"), "loss": ("loss",),
+                "sparse": ("pp", "dp_replicate", "efsdp", "ep"), **UPSTREAM_GLOBAL[backend]}
+    meshes = built._global_meshes
+    assert set(meshes) == set(expected)
+    for key, axes in expected.items():
+        mesh = meshes[key]
+        assert mesh.mesh_dim_names == tuple(DIM_NAME.get(a, a) for a in axes), key
+        assert mesh.shape == tuple(len(groups[a]) for a in axes), key  # size-1 axes kept
+        assert mesh.get_coordinate() == tuple(groups[a].index(cfg.rank) for a in axes), key
+        assert meshes[key] is built._global_meshes[key]  # cached
+
+
+def test_upstream_global_meshes_empty_before_build() -> None:
+    assert ParallelDims(1, 1, 1, 1, 1, 1, 1, spmd_backend="spmd_types", device_type="cpu")._global_meshes == {}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -252,7 +286,7 @@ def test_torch_flatten_reuses_our_flattened_meshes(fake_pg, backend: str) -> Non
     fake_pg(cfg.world, cfg.rank)
     pd = cfg.dims(backend)
     data = pd.global_meshes["data"]
-    flattened = data["batch", "cp"]._flatten("loss")
+    flattened = data["batch", "cp"]._flatten("loss_mesh")  # torchtitan's own call
     assert flattened is pd.get_mesh("loss")
     assert flattened.get_group() is pd.get_mesh("loss").get_group()
 
@@ -268,7 +302,8 @@ def test_only_real_axes_are_registered_as_flattened_meshes(fake_pg, backend: str
     fake_pg(cfg.world, cfg.rank)
     pd = cfg.dims(backend)
     pd.get_all_one_dimensional_meshes()
-    registered = set(pd.world_mesh._flatten_mapping)
+    by_dim = {v: k for k, v in DIM_NAME.items()}
+    registered = {by_dim.get(n, n) for n in pd.world_mesh._flatten_mapping}
     active = expected_active(cfg, backend)
     assert registered and all(active[n] for n in registered), {n: active[n] for n in registered}
     assert {n for n in pd.mesh_axis_names if active[n] and n not in BASE} <= registered

@@ -47,6 +47,9 @@ def _probe(rank: int, world_size: int, backend: str) -> list[dict[str, tuple[str
                 dist.all_reduce(t, group=group)
                 total = t.item()
             seen[name] = (dist.get_backend(group), dist.get_process_group_ranks(group), total)
+        # torchtitan's #4068: the 1-D meshes reported are those with a real group
+        seen["one_d"] = sorted((n, dist.get_backend(m.get_group()), m.size())  # type: ignore[assignment]
+                               for n, m in pd.get_all_one_dimensional_meshes().items())
         out.append(seen)
     return out
 
@@ -76,7 +79,12 @@ def test_process_group_ranks_on_gloo(backend: str) -> None:
             }[backend]
         )
         for rank, per_rank in enumerate(results):
-            seen = per_rank[index]
+            seen = dict(per_rank[index])
+            # every real axis of size > 1, each on gloo; never fake-backed efsdp (size 4 at ep 1)
+            assert seen.pop("one_d") == sorted(
+                (n, "gloo", len(groups[rank])) for n, (real, groups) in expected.items()
+                if real and len(groups[rank]) > 1
+            ), (ep, rank)
             assert set(seen) == set(expected), (ep, rank)
             for name, (real, groups) in expected.items():
                 pg_backend, ranks, total = seen[name]

@@ -94,5 +94,67 @@ def test_getters_build_lazily(fake_pg) -> None:
     assert pd._single_axis_meshes == {}
     assert pd.get_optional_mesh("tp") is None  # inactive, but the meshes are built now
     assert pd._single_axis_meshes["fsdp"].size() == 2
-    # size > 1, fake-backed efsdp (ep == 1) included, as torchtitan's
-    assert pd.get_all_one_dimensional_meshes().keys() == {"fsdp", "batch", "loss", "efsdp"}
+    # size > 1 and a real group: fake-backed efsdp (ep == 1, size 2) left out, as torchtitan's #4068
+    assert pd._single_axis_meshes["efsdp"].size() == 2
+    assert pd.get_all_one_dimensional_meshes().keys() == {"fsdp", "batch", "loss"}
+
+
+# ----------------------------------------------------------------- upstream's later fixes and names
+# Expected values from torchtitan's rules: a0c831c49's get_activated_mesh keeps the
+# requested axes that exist under the backend and are enabled (others are dropped);
+# #4068 (96276d865) leaves fake-backed axes out of get_all_one_dimensional_meshes.
+FLUX_DP = {  # get_activated_mesh(["dp_replicate", "fsdp"]), models/flux/parallelize.py
+    "default": ("dp_replicate", "fsdp"),
+    "full_dtensor": ("dp_replicate",),  # no "fsdp" axis there: dropped
+    "spmd_types": ("dp_replicate",),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_get_activated_mesh_drops_axes_the_backend_lacks(fake_pg, backend: str) -> None:
+    fake_pg(4)
+    pd = ParallelDims(2, 2, 1, 1, 1, 1, 4, spmd_backend=backend, device_type="cpu")
+    mesh = pd.get_activated_mesh(["dp_replicate", "fsdp"])
+    assert mesh is not None and mesh.mesh_dim_names == FLUX_DP[backend]
+    assert pd.get_activated_mesh(["no_such_axis"]) is None
+    assert pd.get_activated_mesh(["no_such_axis", "tp", "cp"]) is None  # tp, cp size 1
+    hsdp_less = ParallelDims(1, 4, 1, 1, 1, 1, 4, spmd_backend=backend, device_type="cpu")
+    fake_pg_mesh = hsdp_less.get_activated_mesh(["dp_replicate", "fsdp"])
+    if backend == "default":
+        assert fake_pg_mesh is not None and fake_pg_mesh.mesh_dim_names == ("fsdp",)
+    else:
+        assert fake_pg_mesh is None  # dp_replicate inactive, fsdp unknown
+
+
+@pytest.mark.parametrize("backend", ["default", "spmd_types"])
+def test_resolve_mesh_drops_unknown_axes(fake_pg, backend: str) -> None:
+    fake_pg(4)
+    pd = ParallelDims(1, 2, 1, 2, 1, 1, 4, spmd_backend=backend, device_type="cpu")
+    want = {"default": ("tp",), "spmd_types": ("dp", "tp")}[backend]
+    mesh = pd.resolve_mesh(["dp", "experts_of_a_fork", "tp"])
+    assert mesh is not None and mesh.mesh_dim_names == want
+    assert mesh is pd.resolve_mesh(["dp", "tp"])  # the same cached mesh
+    assert pd.resolve_mesh(["experts_of_a_fork"]) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_one_dimensional_meshes_leave_out_fake_axes(fake_pg, backend: str, ep: int) -> None:
+    fake_pg(8)
+    pd = ParallelDims(1, 4, 1, 2, 1, ep, 8, spmd_backend=backend, device_type="cpu")
+    pd.build_mesh()
+    assert pd._single_axis_meshes["efsdp"].size() == 8 // ep
+    one_d = pd.get_all_one_dimensional_meshes()
+    dense = {"default": {"fsdp"}, "full_dtensor": {"dp_shard"}, "spmd_types": {"dp", "dp_shard"}}[backend]
+    assert set(one_d) == {"batch", "loss", "tp", *dense, *({"efsdp", "ep"} if ep > 1 else set())}
+    assert (pd.get_optional_mesh("efsdp") is None) is (ep == 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loss_mesh_dim_is_named_loss_mesh(fake_pg, backend: str) -> None:
+    fake_pg(8)
+    pd = ParallelDims(2, 2, 2, 1, 1, 1, 8, spmd_backend=backend, device_type="cpu")
+    loss = pd.get_mesh("loss")  # the axis is still called "loss"
+    assert loss.mesh_dim_names == ("loss_mesh",) and loss.size() == 8
+    assert pd._global_meshes["loss"] is loss
+    assert pd._global_meshes["dataloading"]["batch", "cp"]._flatten("loss_mesh") is loss  # torchtitan's call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -10,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed import representation
 from torchtitan_spmd.distributed.layout import S, SpmdLayout
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 from torchtitan_spmd.distributed.representation import get_representation
@@ -93,7 +93,7 @@ def test_an_activation_checkpointing_mode_that_does_not_exist_is_rejected() -> N
         JobConfig.from_dict({"activation_checkpoint": {"mode": "everything"}})
     bad = ActivationCheckpointConfig()
     object.__setattr__(bad, "mode", "everything")  # past the config's own check
-    with pytest.raises(ValueError, match=r"mode='everything' is not implemented; valid modes: 'none', 'full', 'selective'"):
+    with pytest.raises(ValueError, match=r"activation_checkpoint\.mode='everything': .* use 'selective', 'none' or 'full'"):
         apply_ac(nn.Sequential(), bad)
 
 
@@ -136,10 +136,13 @@ def test_unknown_flavor_lists_the_valid_ones() -> None:
 def test_get_representation_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="valid choices are 'default', 'full_dtensor', 'spmd_types'"):
         get_representation("fsdp")
-    monkeypatch.setattr(representation, "_CACHE", {})
-    monkeypatch.setattr(representation, "representation_module_name",
-                        lambda name: f"torchtitan_spmd.distributed._absent_{name}")
-    with pytest.raises(ValueError, match="has no runtime in this build"):
+    # The registry names the module: a backend whose module is absent (a stack prefix
+    # without the spmd_types layer) is a clear error, not an ImportError.
+    from torchtitan_spmd.config import backends
+
+    monkeypatch.setitem(backends._REGISTRY, "spmd_types", dataclasses.replace(
+        backends.backend("spmd_types"), module="torchtitan_spmd.distributed._absent_spmd_types"))
+    with pytest.raises(ValueError, match=r"has no runtime in this build \(torchtitan_spmd\.distributed\._absent_"):
         get_representation("spmd_types")
 
 

@@ -6,8 +6,7 @@ shapes, annotations, plan validation and type checking, in milliseconds.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,25 +39,6 @@ pytestmark = pytest.mark.backend("spmd_types")
 
 #: FSDP2 over spmd_types-annotated plain tensors (FACTS: absent from 2.13.0).
 needs_fsdp = requires_torch("2.14", "FSDP over spmd_types-annotated tensors")
-
-
-@pytest.fixture
-def fake_world() -> Iterator[Callable[[int], None]]:
-    """``fake_world(n)``: a fake process group of ``n`` ranks (this process is rank 0)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
-
-    assert not dist.is_initialized(), "a previous test leaked a process group"
-
-    def init(world_size: int) -> None:
-        dist.init_process_group("fake", rank=0, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if "torch.distributed.tensor" in sys.modules:
-            clear_dtensor_sharding_caches()
 
 
 def _cfg(**parallelism: Any) -> JobConfig:

@@ -110,12 +110,19 @@ class Section:
     #: The section's name in TOML and on the command line, e.g. ``"parallelism"``.
     section_name: typing.ClassVar[str] = ""
 
+    #: Fields checked by a function ``(value, where) -> value`` instead of their annotation
+    #: (``parallelism.spmd_backend``: the backend registry, which may hold more names
+    #: than its ``Literal``).
+    _field_checks: typing.ClassVar[dict[str, typing.Callable[[Any, str], Any]]] = {}
+
     def _validate_types(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             where = f"{self.section_name}.{f.name}"
-            object.__setattr__(self, f.name, check_value(where, value, hints[f.name]))
+            custom = self._field_checks.get(f.name)
+            checked = custom(value, where) if custom else check_value(where, value, hints[f.name])
+            object.__setattr__(self, f.name, checked)
 
     def __post_init__(self) -> None:
         self._validate_types()

@@ -23,7 +23,8 @@ from typing import Any, Literal, get_args
 # spellings; deleting compat/ and those lines removes legacy support.
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
-from ._section import Section, check_value, invalid_choice
+from . import backends as _backends
+from ._section import Section, invalid_choice
 
 __all__ = [
     "DATASETS",
@@ -46,15 +47,19 @@ __all__ = [
 
 SpmdBackend = Literal["default", "full_dtensor", "spmd_types"]
 
-#: The valid values of ``parallelism.spmd_backend``, in documentation order.
+#: The built-in values of ``parallelism.spmd_backend``, in documentation order
+#: (:func:`.backends.backend_names` adds any registered later).
 SPMD_BACKENDS: tuple[str, ...] = get_args(SpmdBackend)
 
 #: The valid values of ``training.dataset`` (``"synthetic"``, the default, first).
 DATASETS: tuple[str, ...] = ("synthetic", "c4_test", "text", "json", "parquet")
 
-#: Spellings written by newer torchtitan releases, normalised on load.
-#: ``"partial_dtensor"`` is upstream's later name for ``"default"``.
-SPMD_BACKEND_ALIASES: dict[str, str] = {"partial_dtensor": "default"}
+#: Spellings written by newer torchtitan releases, normalised on load
+#: (the registry's table: ``"partial_dtensor"`` is upstream's later name for ``"default"``).
+SPMD_BACKEND_ALIASES: dict[str, str] = _backends._ALIASES
+
+if SPMD_BACKENDS != _backends.backend_names():  # pragma: no cover - a packaging error
+    raise ImportError(f"SpmdBackend {SPMD_BACKENDS} and the registry {_backends.backend_names()} disagree.")
 
 
 # --------------------------------------------------------------------------------------
@@ -269,6 +274,10 @@ class ParallelismConfig(
 ):
     """``[parallelism]``: parallel degrees, their options, and the SPMD backend."""
 
+    _field_checks: typing.ClassVar[dict[str, typing.Callable[[Any, str], Any]]] = {
+        "spmd_backend": lambda value, where: _backends.resolve_backend(value, where),
+    }
+
     section_name: typing.ClassVar[str] = "parallelism"
 
     data_parallel_replicate_degree: int = 1
@@ -345,8 +354,6 @@ class ParallelismConfig(
     the ranks of ``dp_shard * cp * tp``, which it must divide. 1 disables it."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.spmd_backend, str):
-            self.spmd_backend = SPMD_BACKEND_ALIASES.get(self.spmd_backend, self.spmd_backend)  # type: ignore[assignment]
         super().__post_init__()
         for name in _DEGREES:
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
@@ -373,9 +380,8 @@ class ParallelismConfig(
             )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "spmd_backend" and isinstance(value, str):
-            value = SPMD_BACKEND_ALIASES.get(value, value)
-            check_value("parallelism.spmd_backend", value, SpmdBackend)
+        if name == "spmd_backend":
+            value = _backends.resolve_backend(value)
         super().__setattr__(name, value)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 
+from .backends import backend, backend_names
 from .configs import (
     ActivationCheckpointConfig,
     CheckpointConfig,
@@ -117,11 +118,12 @@ class JobConfig:
                     f"parallelism.pipeline_parallel_degree={self.parallelism.pipeline_parallel_degree}; "
                     "set pipeline_parallel_degree=1 or turn spmd_typechecking off."
                 )
-            if self.parallelism.spmd_backend != "spmd_types":
+            if not backend(self.parallelism.spmd_backend).typechecking:
+                checked = [name for name in backend_names() if backend(name).typechecking]
                 warnings.warn(
                     "debug.spmd_typechecking=True has no effect with "
                     f"parallelism.spmd_backend={self.parallelism.spmd_backend!r}; "
-                    "only the 'spmd_types' backend is type-checked.",
+                    f"only {' and '.join(map(repr, checked))} type-checks.",
                     SpmdTypecheckingWarning,
                     stacklevel=stacklevel_outside_library(),
                 )

@@ -36,21 +36,30 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from ._section import invalid_choice
-from .configs import SPMD_BACKEND_ALIASES, SpmdBackend
+from .backends import backend_names, resolve_backend
+from .configs import SpmdBackend
 from .job_config import JobConfig
 
 if TYPE_CHECKING:
     from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
-__all__ = ["MODELS_PACKAGE", "ConfigManager", "short_module_names"]
+__all__ = ["FORK_FIRST", "LIBRARY_FIRST", "MODELS_PACKAGE", "ConfigManager", "short_module_names"]
 
-#: The package whose subpackages' ``config_registry`` modules ``--module NAME`` finds.
+#: This library's model families: its subpackages' ``config_registry`` modules.
 MODELS_PACKAGE = "torchtitan_spmd.models"
+
+#: Where a short ``--module NAME`` is looked for, in order, by a plain ``ConfigManager()``:
+#: a fork's own packages first, as torchtitan's (``torchtitan.models.NAME``, then
+#: ``torchtitan.experiments.NAME``), then this library's families.
+FORK_FIRST: tuple[str, ...] = ("torchtitan.models", "torchtitan.experiments", MODELS_PACKAGE)
+
+#: The order this library's trainer and parity command use: its own families first.
+LIBRARY_FIRST: tuple[str, ...] = (MODELS_PACKAGE, "torchtitan.models", "torchtitan.experiments")
 
 _EXAMPLE = "Example: --module llama3 --config llama3_debugmodel"
 
@@ -95,13 +104,13 @@ def _spmd_backend_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any]
     """``spmd_backend`` accepts its aliases and names the closest choice when wrong."""
     if info.type != SpmdBackend:
         return None
-    choices = get_args(SpmdBackend)
+    choices = backend_names()  # the registry's, at parse time
 
     def from_str(args: list[str]) -> str:
-        value = SPMD_BACKEND_ALIASES.get(args[0], args[0])
-        if value not in choices:
-            raise invalid_choice("", args[0], choices)
-        return value
+        try:
+            return resolve_backend(args[0])
+        except ValueError:
+            raise invalid_choice("", args[0], choices) from None
 
     return _tyro().constructors.PrimitiveConstructorSpec(
         nargs=1,
@@ -144,13 +153,15 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------------------
 # Finding the config function.
 # --------------------------------------------------------------------------------------
-def short_module_names() -> list[str]:
-    """The ``--module`` short names: subpackages of :data:`MODELS_PACKAGE` with a ``config_registry``.
+def short_module_names(package: str | None = None) -> list[str]:
+    """The ``--module`` short names of ``package`` (default :data:`MODELS_PACKAGE`): its
+    subpackages with a ``config_registry``.
 
-    Found on disk; nothing is imported.
+    Found on disk (only ``package``'s parents are imported); ``[]`` when it does not exist.
     """
+    package = MODELS_PACKAGE if package is None else package
     try:
-        spec = importlib.util.find_spec(MODELS_PACKAGE)
+        spec = importlib.util.find_spec(package)
     except ModuleNotFoundError:
         return []
     if spec is None or not spec.submodule_search_locations:
@@ -174,17 +185,22 @@ def _exists(module_name: str) -> bool:
         raise
 
 
-def _import_registry(name: str) -> tuple[ModuleType, str]:
-    """Import the module ``--module name`` means; return it and its dotted path."""
-    shorts = short_module_names()
-    candidates = [f"{MODELS_PACKAGE}.{name}.config_registry"] if name in shorts else []
+def _import_registry(name: str, packages: Sequence[str]) -> tuple[ModuleType, str]:
+    """Import the module ``--module name`` means; return it and its dotted path.
+
+    A short name is looked for in ``packages`` in order (``PKG.name.config_registry``);
+    then ``name.config_registry`` and ``name`` themselves, as torchtitan's.
+    """
+    shorts = {package: short_module_names(package) for package in packages}
+    candidates = [f"{package}.{name}.config_registry" for package in packages if name in shorts[package]]
     candidates += [f"{name}.config_registry", name]
     for candidate in candidates:
         if candidate and not candidate.startswith(".") and _exists(candidate):
             return importlib.import_module(candidate), candidate
+    supported = sorted({n for names in shorts.values() for n in names})
     raise ImportError(
         f"Cannot import module '{name}' or '{name}.config_registry'. "
-        f"For shorthands, supported modules are: {shorts}"
+        f"For shorthands, supported modules are: {supported} (looked for in {', '.join(packages)})"
     )
 
 
@@ -225,8 +241,18 @@ class ConfigManager:
                                              "llama3_debugmodel", "--training.steps", "5"])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, module_packages: Sequence[str] | None = None) -> None:
+        """``module_packages``: where a short ``--module NAME`` is looked for, in order
+        (default :data:`FORK_FIRST`: a fork's ``torchtitan.models``, ``torchtitan.experiments``,
+        then this library's families; its trainer uses :data:`LIBRARY_FIRST`)."""
         self.register_tyro_rules(_custom_registry())
+        if module_packages is None:
+            module_packages = FORK_FIRST
+        if isinstance(module_packages, str) or not all(isinstance(p, str) and p for p in module_packages):
+            raise TypeError(
+                f"ConfigManager: module_packages must be a sequence of package names, got {module_packages!r}."
+            )
+        self.module_packages: tuple[str, ...] = tuple(module_packages)
         self.config: Any = None
 
     def parse_args(self, args: Sequence[str] | None = None) -> Any:
@@ -269,7 +295,7 @@ class ConfigManager:
             raise ValueError(f"--module is required. {_EXAMPLE}")
         if config_name is None:
             raise ValueError(f"--config is required. {_EXAMPLE}")
-        module, module_path = _import_registry(module_name)
+        module, module_path = _import_registry(module_name, self.module_packages)
         config_fn = getattr(module, config_name, None)
         if config_fn is None or not callable(config_fn):
             raise ValueError(

@@ -119,7 +119,8 @@ def check_supported(config: Any) -> None:
             value, default = getattr(section, row.field), row.default()
             if value == default or value in row.also_allowed:
                 continue
-            where = f"{path}.{row.field}" if path else row.field
+            prefix = path or getattr(section, "section_name", "")  # a lone section: its own name
+            where = f"{prefix}.{row.field}" if prefix else row.field
             allowed = [repr(v) for v in (default, *row.also_allowed)]
             choices = allowed[0] if len(allowed) == 1 else f"{', '.join(allowed[:-1])} or {allowed[-1]}"
             problems.append(

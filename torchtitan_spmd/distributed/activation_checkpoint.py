@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan_spmd.config.support import check_supported
+
 if TYPE_CHECKING:
     from torchtitan_spmd.config import ActivationCheckpointConfig
 
@@ -147,11 +149,7 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> nn.Module:
     Raises ``ValueError`` for a mode other than :data:`AC_MODES`, or a model without
     a ``layers`` container of blocks.
     """
-    if ac.mode not in AC_MODES:
-        raise ValueError(
-            f"activation_checkpoint.mode={ac.mode!r} is not implemented; valid modes: "
-            f"{', '.join(map(repr, AC_MODES))}."
-        )
+    check_supported(ac)  # the support table (memory_budget); the config rejects other modes
     if ac.mode == "none":
         return model
     layers = getattr(model, "layers", None)

@@ -76,6 +76,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_spmd.config.support import check_supported
+
 from . import checkpoint_integrity as integrity
 from . import hf_checkpoint
 from .apply_plan import plain_fqn
@@ -366,8 +368,7 @@ class CheckpointManager:
         if unknown:
             raise ValueError(f"checkpoint.exclude_from_loading: unknown {unknown}; the entries are "
                              f"{', '.join(map(repr, LOADABLE_ENTRIES))} (the model is always loaded).")
-        if config.async_mode not in ("disabled", "async"):
-            raise ValueError(f"checkpoint.async_mode={config.async_mode!r} is not implemented; use 'disabled' or 'async'.")
+        check_supported(config)  # the support table: async_mode, quantized Hugging Face loads
         self.async_mode = config.async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.config.backends import backend_names
+
 from .parallel_dims import seq_len_divisor as _seq_len_divisor
 from .plan import ShardingPlan, fqn_matches
 from .representation import get_representation
@@ -89,10 +91,8 @@ _TORCH_ROTATE = {"allgather": _torch_cp._RotateMethod.ALL_GATHER, "alltoall": _t
 
 def context_parallel_backends() -> tuple[str, ...]:
     """The ``spmd_backend`` values whose representation runs context parallelism (in this build)."""
-    from torchtitan_spmd.config import SPMD_BACKENDS
-
     names = []
-    for name in SPMD_BACKENDS:
+    for name in backend_names():
         try:
             cls = get_representation(name)
         except ValueError:  # a stack prefix without that backend's runtime

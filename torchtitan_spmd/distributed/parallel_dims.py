@@ -18,10 +18,11 @@ Rank layout
     those ranks and is not a factor of ``world_size``.
 
 Meshes as data
-    What differs between backends is a table (:data:`_BACKEND_MESHES`): its
-    global meshes and their axes, the axes that always get a real process group,
-    the axes ``resolve_mesh`` keeps, and the axes of ``spmd_meshes()``. The class
-    itself never branches on the backend's name.
+    What differs between backends is a table in the backend registry
+    (:class:`~torchtitan_spmd.config.backends.BackendMeshes`): its global meshes and
+    their axes, the axes that always get a real process group, the axes
+    ``resolve_mesh`` keeps, and the axes of ``spmd_meshes()``. The class itself
+    never branches on the backend's name.
 
 Built once, per rank
     ``build_mesh()`` creates, for each distinct set of ranks, only the group this
@@ -58,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_spmd._errors import suggest
 from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat hook
-from torchtitan_spmd.config import SPMD_BACKEND_ALIASES, SPMD_BACKENDS
+from torchtitan_spmd.config.backends import BackendMeshes, backend, resolve_backend
 
 from . import _mesh_compat
 from .layout import SpmdLayout
@@ -154,79 +155,13 @@ _AXES: dict[str, _AxisRecipe] = {
 }
 
 
-@dataclass(frozen=True)
-class _BackendMeshes:
-    """One backend's meshes, as data."""
-
-    #: Global meshes by name, each an ordered tuple of axes. Multi-axis requests are
-    #: sliced from the first one (in this order) that contains every requested axis.
-    global_meshes: dict[str, tuple[str, ...]]
-    #: Axes that have a real process group even at size 1.
-    always_active: frozenset[str]
-    #: The axes ``resolve_mesh`` keeps; ``None`` keeps every axis.
-    in_band: frozenset[str] | None
-    #: ``resolve_mesh`` first replaces a logical ``dp`` with ``dp_replicate, dp_shard``.
-    unfold_dp: bool
-    #: The axes of each mesh in ``spmd_meshes()`` (dense, then sparse), before inactive
-    #: axes are dropped; torchtitan's candidates.
-    spmd_meshes: tuple[tuple[str, ...], ...]
-    #: ``resolve_mesh`` raises unless its result is one of ``spmd_meshes()``.
-    resolve_to_spmd_mesh_only: bool
+#: The dim name of the loss mesh, as torchtitan's (``_flatten("loss_mesh")``); its axis is ``loss``.
+_DIM_NAMES: dict[str, str] = {"loss": "loss_mesh"}
 
 
-_DATA = ("pp", "batch", "cp", "tp")  # data loading: which batch shard a rank reads
-_LOSS = ("loss",)  # loss all-reduce over every data-parallel rank
-_SPARSE = ("pp", "dp_replicate", "efsdp", "ep")  # MoE experts
-_SPARSE_SPMD = ("dp_replicate", "efsdp", "ep")  # the sparse SPMD mesh (pp never is one)
+def _dim_names(axes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_DIM_NAMES.get(a, a) for a in axes)
 
-_BACKEND_MESHES: dict[str, _BackendMeshes] = {
-    "default": _BackendMeshes(
-        global_meshes={
-            "dense": ("pp", "dp_replicate", "fsdp", "tp"),
-            "sparse": _SPARSE,
-            "data": _DATA,
-            "loss": _LOSS,
-        },
-        always_active=frozenset({"fsdp"}),
-        in_band=frozenset({"tp", "ep"}),
-        unfold_dp=False,
-        spmd_meshes=(("dp_replicate", "fsdp", "tp"), _SPARSE_SPMD),
-        resolve_to_spmd_mesh_only=False,
-    ),
-    "full_dtensor": _BackendMeshes(
-        global_meshes={
-            "dense": _BASE_AXES,
-            "sparse": _SPARSE,
-            "data": _DATA,
-            "loss": _LOSS,
-        },
-        always_active=frozenset({"dp_shard"}),
-        in_band=None,
-        unfold_dp=True,
-        spmd_meshes=(("dp_replicate", "dp_shard", "cp", "tp"), _SPARSE_SPMD),
-        resolve_to_spmd_mesh_only=True,
-    ),
-    "spmd_types": _BackendMeshes(
-        global_meshes={
-            "storage": _BASE_AXES,
-            "dense": ("pp", "dp", "cp", "tp"),
-            "sparse": _SPARSE,
-            "data": _DATA,
-            "loss": _LOSS,
-        },
-        always_active=frozenset({"dp_shard"}),
-        in_band=frozenset({"dp", "cp", "tp", "ep"}),
-        unfold_dp=False,
-        spmd_meshes=(("dp", "cp", "tp"), _SPARSE_SPMD),
-        resolve_to_spmd_mesh_only=False,
-    ),
-}
-
-if set(_BACKEND_MESHES) != set(SPMD_BACKENDS):  # pragma: no cover - a packaging error
-    raise ImportError(
-        f"parallel_dims has mesh tables for {sorted(_BACKEND_MESHES)} but the config "
-        f"accepts {sorted(SPMD_BACKENDS)}."
-    )
 
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _FROZEN_AFTER_BUILD = (*_DEGREES, "world_size", "spmd_backend", "device_type")
@@ -315,14 +250,7 @@ class ParallelDims:
 
     @staticmethod
     def _check_backend(value: Any) -> str:
-        if isinstance(value, str):
-            value = SPMD_BACKEND_ALIASES.get(value, value)
-        if value not in _BACKEND_MESHES:
-            raise ValueError(
-                f"ParallelDims: unknown spmd_backend {value!r}; valid choices are "
-                f"{', '.join(map(repr, SPMD_BACKENDS))}.{suggest(str(value), SPMD_BACKENDS)}"
-            )
-        return str(value)
+        return resolve_backend(value, "ParallelDims: spmd_backend")
 
     def _validate(self) -> None:
         for name in (*_DEGREES, "world_size"):
@@ -387,8 +315,8 @@ class ParallelDims:
 
     # ---------------------------------------------------------------- the tables
     @property
-    def _table(self) -> _BackendMeshes:
-        return _BACKEND_MESHES[self.spmd_backend]
+    def _table(self) -> BackendMeshes:
+        return backend(self.spmd_backend).meshes
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
@@ -512,7 +440,7 @@ class ParallelDims:
                 # a fake-backed axis: DTensor picks a flattened mesh by its ranks alone
                 # (e.g. inactive ``efsdp`` has the ranks of ``(dp_shard, cp, tp)``), and its
                 # collectives would then silently do nothing.
-                world._flatten_mapping.setdefault(axes[0], mesh)
+                world._flatten_mapping.setdefault(_dim_names(axes)[0], mesh)
         return mesh
 
     def _new_mesh(
@@ -526,7 +454,7 @@ class ParallelDims:
                 flattened=len(axes) == 1 and axes[0] not in _BASE_AXES,
             ),
             _rank_map=rank_map,
-            mesh_dim_names=axes,
+            mesh_dim_names=_dim_names(axes),
             _root_mesh=root,
             _init_backend=False,
         )
@@ -570,7 +498,7 @@ class ParallelDims:
     def _check_mesh(self, axes: tuple[str, ...], mesh: DeviceMesh) -> None:
         expected = tuple(self.axis_size(a) for a in axes)
         groups = tuple(mesh.get_group(i).size() for i in range(len(axes)))
-        if mesh.mesh_dim_names != axes or mesh.shape != expected or groups != expected:
+        if mesh.mesh_dim_names != _dim_names(axes) or mesh.shape != expected or groups != expected:
             raise RuntimeError(
                 f"ParallelDims: the {axes} mesh came out with axes {mesh.mesh_dim_names}, "
                 f"shape {mesh.shape} and group sizes {groups}; expected shape {expected} "
@@ -592,6 +520,21 @@ class ParallelDims:
         """This backend's global meshes by name (e.g. ``dense``, ``sparse``, ``data``, ``loss``)."""
         self.build_mesh()
         return {name: self._meshes[axes] for name, axes in self._table.global_meshes.items()}
+
+    @property
+    def _global_meshes(self) -> dict[str, DeviceMesh]:
+        """torchtitan's ``_global_meshes``, by its keys; empty before ``build_mesh``.
+
+        ``dataloading`` ``(pp, batch, cp, tp)``, ``loss`` (the 1-D ``loss_mesh``),
+        ``dense`` (the mesh FSDP shards: ``(pp, dp_replicate, fsdp, tp)`` under default,
+        ``(pp, dp_replicate, dp_shard, cp, tp)`` otherwise), ``sparse``
+        ``(pp, dp_replicate, efsdp, ep)`` and, under spmd_types, ``spmd_dense_for_fwdbwd``
+        ``(dp, cp, tp)`` (size-1 axes included), which torchtitan's
+        ``get_train_context`` and ``annotate_input_spmd_types`` read.
+        """
+        if self._world_mesh is None:
+            return {}
+        return {name: self._mesh(axes) for name, axes in self._table.upstream_global_meshes.items()}
 
     @property
     def _single_axis_meshes(self) -> dict[str, DeviceMesh]:
@@ -661,8 +604,14 @@ class ParallelDims:
         """The mesh over the active ones of ``axes``; None if none is active.
 
         Unlike :meth:`get_optional_mesh`, which returns None as soon as one axis is inactive.
+        As torchtitan's, names this backend has no axis for are dropped too (e.g.
+        ``["dp_replicate", "fsdp"]`` under full_dtensor, which has ``dp_shard`` instead
+        of ``fsdp``: the ``dp_replicate`` mesh, or None).
         """
-        names = [n for n in self._names(axes) if self.is_axis_active(n)]
+        self.build_mesh()
+        valid = self.mesh_axis_names
+        requested = (str(axes),) if isinstance(axes, str) else tuple(str(a) for a in axes)
+        names = [n for n in requested if n in valid and self.is_axis_active(n)]
         return self.get_optional_mesh(names) if names else None
 
     def resolve_mesh(self, axes: str | Sequence[str]) -> DeviceMesh | None:
@@ -674,19 +623,13 @@ class ParallelDims:
           that leaves out an active axis of its mesh raises ``ValueError``;
         - spmd_types: keeps ``dp``, ``cp``, ``tp`` and ``ep``.
 
-        Inactive axes are dropped; returns None if nothing is left.
+        Inactive axes, and names this backend has no axis for, are dropped (as
+        torchtitan's); returns None if nothing is left.
         """
         names = [str(a) for a in ((axes,) if isinstance(axes, str) else axes)]
         table = self._table
         if table.unfold_dp:
             names = unfold_dp_axes(names)
-        known = sorted({*(m.value for m in MeshAxisName), *self.mesh_axis_names})
-        for name in names:
-            if name not in known:
-                raise ValueError(
-                    f"ParallelDims.resolve_mesh: unknown axis {name!r}; valid names are "
-                    f"{', '.join(map(repr, known))}.{suggest(name, known)}"
-                )
         if table.in_band is not None:
             names = [n for n in names if n in table.in_band]
         if not names:
@@ -749,14 +692,18 @@ class ParallelDims:
         return out
 
     def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
-        """The 1-D meshes of size > 1, by axis name, as torchtitan's.
+        """The 1-D meshes of size > 1 with a real process group, by axis name.
 
-        Fake-backed axes are included (e.g. ``efsdp`` when ``ep == 1``), as in
-        torchtitan: their groups carry no data, so check :meth:`is_axis_active`
-        before running a collective on one.
+        As torchtitan's since its #4068 (after a0c831c49): fake-backed axes are left
+        out (``efsdp`` when ``ep == 1``, whatever its size), so every group reported
+        can carry a collective (e.g. a timeout set on each).
         """
         self.build_mesh()
-        return {name: mesh for name, mesh in self._single_axis_meshes.items() if mesh.size() > 1}
+        return {
+            name: mesh
+            for name, mesh in self._single_axis_meshes.items()
+            if mesh.size() > 1 and self.is_axis_active(name)
+        }
 
     # ---------------------------------------------------------------- properties
     @property

@@ -54,6 +54,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
+from torchtitan_spmd.config.backends import backend
+
 from .layout import SpmdLayout
 
 if TYPE_CHECKING:
@@ -128,20 +130,32 @@ def as_parameter_like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new
 
 
+class _FromRegistry:
+    """A class attribute read from this backend's record in the backend registry."""
+
+    def __init__(self, field: str, doc: str) -> None:
+        self.field, self.__doc__ = field, doc
+
+    def __get__(self, obj: object, owner: type[TensorRepresentation]) -> bool:
+        return bool(getattr(backend(owner.name), self.field))
+
+
 class TensorRepresentation(ABC):
     """How one SPMD backend represents tensors. One subclass per backend module.
 
     An instance is bound to one :class:`ParallelDims` (whose meshes are built): the
-    trainer holds it, and nothing about it is process-global.
+    trainer holds it, and nothing about it is process-global. What the library knows
+    about the backend by name (its meshes, the two flags below) is its record in the
+    backend registry (:mod:`torchtitan_spmd.config.backends`).
     """
 
     #: The ``parallelism.spmd_backend`` value this representation implements.
     name: ClassVar[str]
-    #: Whether ``debug.spmd_typechecking`` checks anything under this backend.
-    supports_typechecking: ClassVar[bool] = False
-    #: Whether this backend runs context parallelism (``context_parallel_degree > 1``):
-    #: sequence-sharded activations and ring attention over ``cp``.
-    supports_context_parallel: ClassVar[bool] = False
+    supports_typechecking = _FromRegistry(
+        "typechecking", "Whether ``debug.spmd_typechecking`` checks anything under this backend.")
+    supports_context_parallel = _FromRegistry(
+        "context_parallel", "Whether this backend runs context parallelism (``context_parallel_degree > 1``): "
+        "sequence-sharded activations and ring attention over ``cp``.")
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims
@@ -301,31 +315,28 @@ class TensorRepresentation(ABC):
 
 
 # ======================================================================================
-# The registry: the only place that maps a backend name to code.
+# The registry's runtime half: a backend's record names its module; import it once.
 # ======================================================================================
 def representation_module_name(name: str) -> str:
-    """The module that implements backend ``name`` (by convention)."""
-    return f"{__package__}.representations.{name}"
+    """The module that implements backend ``name`` (its registry record's ``module``)."""
+    return backend(name).module
 
 
-_CACHE: dict[str, type[TensorRepresentation]] = {}
+_CACHE: dict[tuple[str, str], type[TensorRepresentation]] = {}
 
 
 def get_representation(name: str) -> type[TensorRepresentation]:
     """The representation class of backend ``name``.
 
-    Raises ValueError for an unknown name, and naming the missing module when the
-    backend is valid but its runtime is not part of this build (e.g. a stack
-    prefix without the ``spmd_types`` layer).
+    Raises ValueError for a name the backend registry does not hold (the registry's
+    error), and naming the missing module when the backend is valid but its runtime
+    is not part of this build (e.g. a stack prefix without the ``spmd_types`` layer).
     """
-    from torchtitan_spmd.config import SPMD_BACKENDS
-
-    if name not in SPMD_BACKENDS:
-        raise ValueError(
-            f"unknown spmd_backend {name!r}; valid choices are {', '.join(map(repr, SPMD_BACKENDS))}."
-        )
-    if name not in _CACHE:
-        module_name = representation_module_name(name)
+    entry = backend(name)
+    name = entry.name
+    cached = _CACHE.get((name, entry.module))
+    if cached is None:
+        module_name = entry.module
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
@@ -339,8 +350,8 @@ def get_representation(name: str) -> type[TensorRepresentation]:
             raise TypeError(
                 f"{module_name}.REPRESENTATION must be a TensorRepresentation subclass named {name!r}."
             )
-        _CACHE[name] = cls
-    return _CACHE[name]
+        _CACHE[(name, entry.module)] = cached = cls
+    return cached
 
 
 def build_representation(parallel_dims: ParallelDims) -> TensorRepresentation:

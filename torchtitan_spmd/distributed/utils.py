@@ -22,6 +22,7 @@ from .representation import get_representation
 
 if TYPE_CHECKING:
     from .parallel_dims import ParallelDims
+    from .representation import TensorRepresentation
 
 __all__ = ["get_spmd_backend", "get_train_context", "maybe_enable_amp", "set_spmd_backend", "spmd_backend_scope"]
 
@@ -35,8 +36,7 @@ def set_spmd_backend(name: str) -> None:
     Raises ValueError for an unknown name, or a backend with no runtime in this build.
     """
     global _process_default
-    get_representation(name)  # validates the name and that the runtime exists
-    _process_default = name
+    _process_default = get_representation(name).name  # validated; the runtime exists
 
 
 def get_spmd_backend() -> str:
@@ -45,10 +45,14 @@ def get_spmd_backend() -> str:
     return scoped if scoped is not None else _process_default
 
 
-@contextlib.contextmanager
-def spmd_backend_scope(name: str) -> Iterator[None]:
+def spmd_backend_scope(name: str) -> AbstractContextManager[None]:
     """Within this context (and this thread/task), :func:`get_spmd_backend` returns ``name``."""
-    get_representation(name)
+    return _scope(get_representation(name).name)
+
+
+@contextlib.contextmanager
+def _scope(name: str) -> Iterator[None]:
+    """:func:`spmd_backend_scope` of a name already validated."""
     token = _scoped.set(name)
     try:
         yield
@@ -61,6 +65,7 @@ def get_train_context(
     enable_loss_parallel: bool,
     parallel_dims: ParallelDims | None = None,
     spmd_typechecking: bool = False,
+    representation: TensorRepresentation | None = None,
 ) -> Callable[[], AbstractContextManager[None]]:
     """A factory of the context to run forward, loss and backward in.
 
@@ -74,15 +79,21 @@ def get_train_context(
     The backend is ``parallel_dims.spmd_backend`` (without ``parallel_dims``: the
     process default, and no mesh). What the context does belongs to that backend's
     representation: torch's ``loss_parallel()`` for the DTensor backends; the
-    forward mesh and optional type checking for ``spmd_types``.
+    forward mesh and optional type checking for ``spmd_types``. ``representation``
+    (this library's keyword; the trainer passes its own): use that instance and its
+    forward mesh instead of looking the backend up.
     """
-    backend = parallel_dims.spmd_backend if parallel_dims is not None else get_spmd_backend()
-    cls = get_representation(backend)
-    mesh = cls.resolve_forward_mesh(parallel_dims) if parallel_dims is not None else None
+    if representation is not None:
+        cls: type[TensorRepresentation] = type(representation)
+        mesh = representation.forward_mesh
+    else:
+        cls = get_representation(parallel_dims.spmd_backend if parallel_dims is not None else get_spmd_backend())
+        mesh = cls.resolve_forward_mesh(parallel_dims) if parallel_dims is not None else None
+    backend = cls.name
 
     @contextlib.contextmanager
     def context() -> Iterator[None]:
-        with spmd_backend_scope(backend), cls.train_context(
+        with _scope(backend), cls.train_context(
             mesh, loss_parallel=enable_loss_parallel, typechecking=spmd_typechecking
         ):
             yield

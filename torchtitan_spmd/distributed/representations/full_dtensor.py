@@ -55,7 +55,6 @@ class FullDTensorRepresentation(DTensorRepresentation):
     """Everything a DTensor on the dense mesh; see the module docstring."""
 
     name: ClassVar[str] = "full_dtensor"
-    supports_context_parallel: ClassVar[bool] = True
 
     @staticmethod
     def resolve_forward_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:

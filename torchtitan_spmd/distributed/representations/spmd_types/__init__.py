@@ -44,6 +44,7 @@ import spmd_types as st  # the library (absolute import), not this package
 import torch
 import torch.distributed as dist
 from spmd_types import I, P, R, V
+from spmd_types.runtime import has_local_type  # top-level only from 0.3 on; here in 0.2.1 too
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -93,8 +94,6 @@ class SpmdTypesRepresentation(TensorRepresentation):
     """Plain local shards typed with spmd_types; see the package docstring."""
 
     name: ClassVar[str] = "spmd_types"
-    supports_typechecking: ClassVar[bool] = True
-    supports_context_parallel: ClassVar[bool] = True
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         super().__init__(parallel_dims)
@@ -236,7 +235,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
         if mesh is None:
             return ()
         by_axis = {st.MeshAxis.of(group(mesh, a)): group(mesh, a) for a in self._live()}
-        types = st.get_local_type(param) if st.has_local_type(param) else {}
+        types = st.get_local_type(param) if has_local_type(param) else {}
         return tuple(by_axis[a] for a, t in types.items() if t is V and a in by_axis)
 
     def _sync_tp_grads(self, param: torch.Tensor) -> None:
@@ -285,7 +284,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
             t = module._parameters[name] if name in module._parameters else module._buffers.get(name)
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 continue
-            if not st.has_local_type(t):
+            if not has_local_type(t):
                 annotate(t, *state_type(state.layout, self.forward_mesh))
                 count += 1
             if isinstance(t, nn.Parameter):

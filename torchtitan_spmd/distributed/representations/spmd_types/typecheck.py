@@ -34,7 +34,11 @@ from spmd_types import I, P
 # a decision's key) and the raw setters the checker types its results with.
 from spmd_types import _state as _st_state
 from spmd_types._type_attr import set_local_type as _set_local_type
-from spmd_types.runtime import _set_partition_spec
+from spmd_types.runtime import (  # in 0.2.1 and 0.3.x
+    _set_partition_spec,
+    get_partition_spec,
+    has_local_type,
+)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
@@ -42,6 +46,11 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 from .mesh_context import set_current_spmd_mesh
 
 __all__ = ["DECISION_CACHE", "DeclaredTypes", "spmd_train_context"]
+
+#: Whether this spmd_types has the checker-state internals a decision's key reads (0.3.x);
+#: without them (0.2.1, upstream a0c831c49's pin) every op is checked in full, as the
+#: checker itself does: the same errors, only slower.
+_CACHE_INTERNALS: bool = all(hasattr(_st_state, n) for n in ("_current_mode", "_current_local_axes"))
 
 
 def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -118,7 +127,7 @@ def _global_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor):
         return NotImplemented
-    spec = st.get_partition_spec(x)
+    spec = get_partition_spec(x)
     if spec is None or all(e is None for e in spec):
         return NotImplemented
     target = _view_target(func, args, kwargs, x.numel())
@@ -168,8 +177,8 @@ def _arg_key(x: Any) -> Hashable | None:
     if t in _VALUE_TYPES:
         return (t, x)
     if t is torch.Tensor or t is nn.Parameter:
-        typ = tuple(st.get_local_type(x).items()) if st.has_local_type(x) else None
-        return (t, typ, st.get_partition_spec(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+        typ = tuple(st.get_local_type(x).items()) if has_local_type(x) else None
+        return (t, typ, get_partition_spec(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     if t is tuple or t is list or t is torch.Size:
         parts = []
         for item in x:
@@ -263,8 +272,10 @@ class _DecisionCache:
                 or _is_autograd_apply(func)
                 or (getattr(func, "__module__", None) or "").startswith("spmd_types")):
             return None
+        if not _CACHE_INTERNALS:  # an spmd_types without the internals the key reads (0.2.x)
+            return None
         mode = _st_state._current_mode()
-        if mode is None:
+        if mode is None or not all(hasattr(mode, flag) for flag in ("_local", "_strict")):
             return None
         with torch._C.DisableTorchFunction():
             parts = []
@@ -293,7 +304,7 @@ class _DecisionCache:
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            before = {id(a): (tuple(st.get_local_type(a).items()), st.get_partition_spec(a))
+            before = {id(a): (tuple(st.get_local_type(a).items()), get_partition_spec(a))
                       for a in _tensors_in((*args, *kwargs.values()))}
             out = decide()  # the checker decides (and raises on a type error)
             self._record(key, before, out)
@@ -315,10 +326,10 @@ class _DecisionCache:
             raise AssertionError(f"type-check cache: {func} returned {type(out).__name__}, recorded "
                                  f"{len(entry)} tensors")
         for leaf, (typ, spec) in zip(leaves, entry, strict=True):
-            if not st.has_local_type(leaf):  # a fresh result: typed as the checker typed it
+            if not has_local_type(leaf):  # a fresh result: typed as the checker typed it
                 _set_local_type(leaf, dict(typ))
                 _set_partition_spec(leaf, spec)
-            elif tuple(st.get_local_type(leaf).items()) != typ or st.get_partition_spec(leaf) != spec:
+            elif tuple(st.get_local_type(leaf).items()) != typ or get_partition_spec(leaf) != spec:
                 # An input returned as the result keeps its types (see _record): anything else
                 # means the key missed something. Never guess: fail loudly.
                 raise AssertionError(f"type-check cache: {func} returned a tensor typed "
@@ -330,9 +341,9 @@ class _DecisionCache:
         """Per result tensor ``(type items, partition spec)``; None if a result tensor is untyped
         or the result is not one :func:`_result_leaves` describes."""
         leaves = _result_leaves(out)
-        if leaves is None or not all(st.has_local_type(t) for t in leaves):
+        if leaves is None or not all(has_local_type(t) for t in leaves):
             return None
-        return tuple((tuple(st.get_local_type(t).items()), st.get_partition_spec(t)) for t in leaves)
+        return tuple((tuple(st.get_local_type(t).items()), get_partition_spec(t)) for t in leaves)
 
     def _record(self, key: Hashable, before: dict[int, Any], out: Any) -> None:
         entry: Any = self._types_of(out)
@@ -389,8 +400,8 @@ class DeclaredTypes:
 def _type_state(x: torch.Tensor) -> tuple[Any, ...]:
     """What ``assert_type`` reads from ``x``: its type (None if untyped), partition spec and rank."""
     with torch._C.DisableTorchFunction():
-        typ = tuple(st.get_local_type(x).items()) if st.has_local_type(x) else None
-        return typ, st.get_partition_spec(x), x.dim()
+        typ = tuple(st.get_local_type(x).items()) if has_local_type(x) else None
+        return typ, get_partition_spec(x), x.dim()
 
 
 class _GlobalTypingShim(TorchFunctionMode):

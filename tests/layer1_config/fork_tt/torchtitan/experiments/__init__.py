@@ -1,0 +1,1 @@
+"""The fork's experiments (``--module NAME`` finds them after ``torchtitan.models``)."""

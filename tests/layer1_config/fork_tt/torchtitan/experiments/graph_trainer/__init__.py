@@ -1,0 +1,1 @@
+"""The fork's graph-trainer experiment."""

@@ -1,0 +1,1 @@
+"""The fork's model families (``--module NAME`` finds ``torchtitan.models.NAME`` first)."""
