@@ -1,0 +1,153 @@
+"""Layer 3: pipeline parallelism (torch's pipelining) on real gloo ranks against the independent reference.
+
+The reference (``torchtitan_spmd/reference.py``) has no pipeline code: the one-process model in
+float64. Each PP cell must reproduce its losses (1e-5) and gradient norms (1e-4) on the same global
+batch; a checkpoint saved under PP resumes without PP, with the model's own keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoint_helpers import ck_config
+from parity_helpers import NORM_TOL, TOL, job_config, max_rel, reference, run_config
+
+from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+STEPS = 4
+
+#: name -> (world, parallelism, local batch, global batch)
+PP_CELLS: dict[str, tuple[int, dict[str, Any], int, int]] = {
+    "pp2_fsdp2_1f1b": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                           "pipeline_parallel_schedule": "1F1B"}, 2, 4),
+    "pp2_tp2_gpipe": (4, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2,
+                          "pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe"}, 2, 2),
+    # pp only, two accumulation steps of two microbatches each (global 4 = 2 rows x 2)
+    "pp2_gpipe_accumulation": (2, {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
+                                   "pipeline_parallel_schedule": "GPipe"}, 2, 4),
+}
+
+
+def _pp_config(name: str, steps: int = STEPS) -> tuple[JobConfig, int, int]:
+    world, par, local, global_batch = PP_CELLS[name]
+    cfg = job_config("default", par, local_batch=local, steps=steps)
+    cfg.training.global_batch_size = global_batch
+    return cfg, world, global_batch
+
+
+@pytest.mark.parametrize("cell", list(PP_CELLS))
+def test_pipeline_parallel_matches_the_reference(cell: str) -> None:
+    cfg, world, global_batch = _pp_config(cell)
+    got = run_config(cfg, world)  # every rank logs the same (loss, grad norm), rank 0 included
+    ref = reference(global_batch, steps=STEPS)
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
+
+
+def test_a_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_spmd.models import get_model_spec
+
+    world, par, local, global_batch = PP_CELLS["pp2_fsdp2_1f1b"]
+    # "single" is the one-process layout of checkpoint_helpers; its local batch is the global batch (4)
+    saved = ck_config("default", "single", tmp_path, steps=2, interval=2, last_save_model_only=False)
+    saved.parallelism.data_parallel_shard_degree = 2
+    saved.parallelism.pipeline_parallel_degree = 2
+    saved.training.local_batch_size = local
+    run_config(saved, world)
+    step2 = tmp_path / "checkpoint" / "step-2"
+    keys = set(dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata)
+    model = get_model_spec("llama3").build(get_model_spec("llama3").flavors["tiny"])
+    names = {n for n, _ in model.named_parameters()}
+    model_keys = {k for k in keys if k.split(".")[0] in {"tok_embeddings", "layers", "norm", "output"}}
+    assert not [k for k in keys - model_keys if any(k.endswith("." + n) for n in names)]
+    assert model_keys == names, sorted(model_keys ^ names)  # the FQNs of the whole model, no stage prefix
+
+    resumed = ck_config("default", "single", tmp_path, steps=STEPS, interval=2)
+    got = run_config(resumed, 1)
+    ref = reference(global_batch, steps=STEPS)
+    assert len(got) == STEPS - 2
+    assert max_rel([g[0] for g in got], [r[0] for r in ref[2:]]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref[2:]]) < NORM_TOL, (got, ref)
+
+
+def test_upstreams_split_rule() -> None:
+    # 8 layers on 4 stages, the embedding and the output one layer each: 10 effective, 3-3-2-2.
+    assert generate_llm_fqn_per_model_part(4, 8) == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "layers.4"],
+        ["layers.5", "layers.6"], ["layers.7", "norm", "output"],
+    ]
+    assert generate_llm_fqn_per_model_part(2, 2, 0, 0) == [
+        ["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    assert generate_llm_fqn_per_model_part(1, 2) == [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
+
+
+def _cfg(backend: str = "default", **parallelism: Any) -> JobConfig:
+    return JobConfig.from_dict({
+        "model": {"flavor": "tiny"},
+        "training": {"steps": 1, "local_batch_size": 2, "seq_len": 16, "device": "cpu"},
+        "parallelism": {"spmd_backend": backend, "data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                        **parallelism},
+    })
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        ({"spmd_backend": "full_dtensor"}, ["full_dtensor", "pipeline parallelism", "'default'",
+                                            "pipeline_parallel_degree=1"]),
+        ({"spmd_backend": "spmd_types"}, ["spmd_types", "pipeline parallelism", "'default'"]),
+        ({"pipeline_parallel_schedule": "Nope"}, ["pipeline_parallel_schedule='Nope'", "unknown", "'GPipe'",
+                                                  "'Interleaved1F1B'"]),
+        ({"pipeline_parallel_schedule": "Interleaved1F1B"}, ["'Interleaved1F1B'", "multi-stage", "not built",
+                                                             "['GPipe', '1F1B']"]),
+        ({"pipeline_parallel_schedule": "Interleaved1F1B", "pipeline_parallel_layers_per_stage": 2},
+         ["multi-stage", "pipeline_parallel_layers_per_stage=2", "2 stages, 1 a rank"]),
+        ({"pipeline_parallel_layers_per_stage": 1}, ["single-stage", "pipeline_parallel_layers_per_stage=1",
+                                                     "4 stages, 2 a rank"]),
+        ({"pipeline_parallel_layers_per_stage": 4}, ["pipeline_parallel_layers_per_stage=4", "1 stages",
+                                                     "not a multiple of pipeline_parallel_degree=2"]),
+        ({"pipeline_parallel_first_stage_less_layers": 5}, ["pipeline_parallel_first_stage_less_layers=5",
+                                                            "exceeds the 4"]),
+        ({"pipeline_parallel_microbatch_size": 3}, ["pipeline_parallel_microbatch_size=3",
+                                                    "training.local_batch_size=2"]),
+        ({"pipeline_parallel_schedule_csv": "/no/such/schedule.csv"}, ["pipeline_parallel_schedule_csv",
+                                                                       "/no/such/schedule.csv", "no such file"]),
+        ({"module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["layers.9", "norm", "output"]]},
+         ["module_fqns_per_model_part[1]", "'layers.9'", "'layers.1'"]),
+        ({"module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["norm", "output"]]},
+         ["module_fqns_per_model_part", "['layers.1']", "no part"]),
+    ],
+)
+def test_bad_pipeline_config_is_a_setup_error(fake_pg: Callable[[int], None], overrides: dict[str, Any],
+                                              needles: list[str]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)
+    backend = overrides.pop("spmd_backend", "default")
+    with pytest.raises(ValueError) as err:
+        Trainer(_cfg(backend, **overrides))
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_a_layers_per_stage_that_fits_builds(fake_pg: Callable[[int], None]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)
+    trainer = Trainer(_cfg(pipeline_parallel_layers_per_stage=2))
+    assert trainer.pipeline is not None and trainer.pipeline.module_names == ["tok_embeddings", "layers.0"]
+
+
+def test_pp_not_dividing_the_world_is_a_setup_error(fake_pg: Callable[[int], None]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(6)
+    with pytest.raises(ValueError, match="pipeline_parallel_degree|pp") as err:
+        Trainer(_cfg(data_parallel_shard_degree=-1, pipeline_parallel_degree=4))
+    assert "6" in str(err.value) and "4" in str(err.value)
