@@ -53,7 +53,6 @@ from torchtitan_spmd.distributed.checkpoint_integrity import (
 from torchtitan_spmd.distributed.compile import apply_compile, maybe_compile_loss, validate_compile
 from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
-from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.loss import (
@@ -63,6 +62,7 @@ from torchtitan_spmd.distributed.loss import (
 )
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
+from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
     get_train_context,
