@@ -311,6 +311,7 @@ class Trainer:
             state_layouts=self.state_layouts, device_type=self.device_type,
             timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
             sd_adapter=self._sd_adapter(), hf_assets_path=hf_checkpoint.hf_folder(cfg),
+            other_stage_keys=self.pipeline.other_stage_keys if self.pipeline is not None else frozenset(),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
                     "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
         )

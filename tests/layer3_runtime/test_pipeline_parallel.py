@@ -26,7 +26,10 @@ PP_CELLS: dict[str, tuple[int, dict[str, Any], int, int]] = {
                            "pipeline_parallel_schedule": "1F1B"}, 2, 4),
     "pp2_tp2_gpipe": (4, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2,
                           "pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe"}, 2, 2),
-    # pp only, two accumulation steps of two microbatches each (global 4 = 2 rows x 2)
+    # two accumulation steps of two microbatches each: pp only (global 4 = 2 rows x 2), and with FSDP 2
+    # (global 8 = 2 rows x 2 data-parallel ranks x 2)
+    "pp2_fsdp2_gpipe_accumulation": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                         "pipeline_parallel_schedule": "GPipe"}, 2, 8),
     "pp2_gpipe_accumulation": (2, {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
                                    "pipeline_parallel_schedule": "GPipe"}, 2, 4),
 }
@@ -70,6 +73,20 @@ def test_a_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Pat
 
     resumed = ck_config("default", "single", tmp_path, steps=STEPS, interval=2)
     got = run_config(resumed, 1)
+    ref = reference(global_batch, steps=STEPS)
+    assert len(got) == STEPS - 2
+    assert max_rel([g[0] for g in got], [r[0] for r in ref[2:]]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref[2:]]) < NORM_TOL, (got, ref)
+
+
+def test_a_checkpoint_without_pp_resumes_under_pp(tmp_path: Path) -> None:
+    world, par, local, global_batch = PP_CELLS["pp2_fsdp2_1f1b"]
+    run_config(ck_config("default", "single", tmp_path, steps=2, interval=2, last_save_model_only=False), 1)
+    resumed = ck_config("default", "single", tmp_path, steps=STEPS, interval=2)
+    resumed.parallelism.data_parallel_shard_degree = 2
+    resumed.parallelism.pipeline_parallel_degree = 2
+    resumed.training.local_batch_size = local
+    got = run_config(resumed, world)
     ref = reference(global_batch, steps=STEPS)
     assert len(got) == STEPS - 2
     assert max_rel([g[0] for g in got], [r[0] for r in ref[2:]]) < TOL, (got, ref)

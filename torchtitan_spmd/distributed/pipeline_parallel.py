@@ -198,6 +198,8 @@ class PipelineParallel:
     group: dist.ProcessGroup
     schedule: Any = None
     loss: _StepLoss | None = None
+    #: The model's state-dict keys the other stages hold (set by :meth:`split`).
+    other_stage_keys: frozenset[str] = frozenset()
 
     @property
     def is_first(self) -> bool:
@@ -278,6 +280,7 @@ class PipelineParallel:
     def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
         """This stage's part of ``model`` (meta) and the plan restricted to it."""
         part = split_module(model, self.module_names)
+        self.other_stage_keys = frozenset(model.state_dict()) - frozenset(part.state_dict())
         return part, part_plan(plan, part)
 
     def build_schedule(self, part: nn.Module, device: torch.device | str,
