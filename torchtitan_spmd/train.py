@@ -569,6 +569,7 @@ def run_job(job_config: JobConfig) -> int:
                 f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
                 f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
                 f"tp={trainer.parallel_dims.tp}"
+                + (f" pp={trainer.parallel_dims.pp}" if trainer.parallel_dims.pp > 1 else "")
             )
             _write_outputs(job_config)
         records = trainer.run()

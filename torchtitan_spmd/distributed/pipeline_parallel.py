@@ -30,6 +30,7 @@ setup errors naming what runs.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -48,6 +49,8 @@ __all__ = [
     "generate_llm_fqn_per_model_part",
     "split_module",
 ]
+
+logger = logging.getLogger("torchtitan_spmd")
 
 #: The schedules this runtime runs (measured on gloo): single-stage ones, one stage a rank.
 BUILT_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
@@ -296,6 +299,8 @@ class PipelineParallel:
         self.loss = _StepLoss(loss_fn, **loss_kwargs)
         self.schedule = get_schedule_class(self.schedule_name)(
             stage, n_microbatches=self.n_microbatches, loss_fn=self.loss, scale_grads=False)
+        logger.info(f"pipeline: stage {self.stage_index} of {self.num_stages} holds {self.module_names}; "
+                    f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                          token_count: torch.Tensor) -> torch.Tensor:
