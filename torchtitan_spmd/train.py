@@ -352,7 +352,7 @@ class Trainer:
         apply_fsdp(model, plan, rep,
                    param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
                    reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-                   reshard_after_forward=self.pipeline is None)
+                   reshard_after_forward=False if self.pipeline is not None else None)
         init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
         return model
 

@@ -47,11 +47,12 @@ def clear_dtensor_sharding_caches() -> None:
 def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation, *,
                param_dtype: torch.dtype = torch.float32,
                reduce_dtype: torch.dtype = torch.float32,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool | None = None) -> nn.Module:
     """Shard ``model``'s parameters with FSDP2 per ``representation.fsdp_spec()``; no-op without DP.
 
-    ``reshard_after_forward``: False under pipeline parallelism, as upstream (a stage's
-    parameters stay gathered between its microbatches' forwards and backwards).
+    ``reshard_after_forward``: ``fully_shard``'s (None: its default); False under pipeline
+    parallelism, as upstream (a stage's parameters stay gathered between its microbatches'
+    forwards and backwards).
 
     ``param_dtype``/``reduce_dtype``: the ``MixedPrecisionPolicy`` (forward inputs are
     not cast, as upstream: the model casts what it needs).
