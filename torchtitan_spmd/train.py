@@ -62,7 +62,7 @@ from torchtitan_spmd.distributed.loss import (
 )
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
-from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel
+from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel, states_of
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
     get_train_context,
@@ -349,11 +349,13 @@ class Trainer:
         apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
             apply_compile(model, cfg.compile)
+        roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
         apply_fsdp(model, plan, rep,
                    param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
                    reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-                   reshard_after_forward=False if self.pipeline is not None else None)
-        init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
+                   reshard_after_forward=False if self.pipeline is not None else None, roots=roots)
+        for root in roots:  # each FSDP root materialises its own parameters
+            init_weights(root, states_of(root, self.state_layouts), rep, seed=self.seed, device=self.device_type)
         return model
 
     def step(self, step: int) -> StepRecord:

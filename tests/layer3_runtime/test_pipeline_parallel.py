@@ -30,6 +30,18 @@ PP_CELLS: dict[str, tuple[int, dict[str, Any], int, int]] = {
     # (global 8 = 2 rows x 2 data-parallel ranks x 2)
     "pp2_fsdp2_gpipe_accumulation": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
                                          "pipeline_parallel_schedule": "GPipe"}, 2, 8),
+    # two stages a rank (tiny: [embedding], [layers.0], [layers.1], [norm, output]), each its own FSDP root
+    "pp2_fsdp2_interleaved1f1b": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                      "pipeline_parallel_schedule": "Interleaved1F1B"}, 2, 4),
+    "pp2_fsdp2_loopedbfs": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                "pipeline_parallel_schedule": "LoopedBFS"}, 2, 4),
+    "pp2_fsdp2_interleavedzerobubble": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                            "pipeline_parallel_schedule": "InterleavedZeroBubble"}, 2, 4),
+    "pp2_fsdp2_zbvzerobubble": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                    "pipeline_parallel_schedule": "ZBVZeroBubble"}, 2, 4),
+    # DualPipeV needs as many microbatches as stages (4)
+    "pp2_fsdp2_dualpipev": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                                "pipeline_parallel_schedule": "DualPipeV"}, 4, 8),
     "pp2_gpipe_accumulation": (2, {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
                                    "pipeline_parallel_schedule": "GPipe"}, 2, 4),
 }
@@ -51,16 +63,17 @@ def test_pipeline_parallel_matches_the_reference(cell: str) -> None:
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
 
 
-def test_a_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cell", ["pp2_fsdp2_1f1b", "pp2_fsdp2_interleaved1f1b"])
+def test_a_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path, cell: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from torchtitan_spmd.models import get_model_spec
 
-    world, par, local, global_batch = PP_CELLS["pp2_fsdp2_1f1b"]
+    world, par, local, global_batch = PP_CELLS[cell]
     # "single" is the one-process layout of checkpoint_helpers; its local batch is the global batch (4)
     saved = ck_config("default", "single", tmp_path, steps=2, interval=2, last_save_model_only=False)
-    saved.parallelism.data_parallel_shard_degree = 2
-    saved.parallelism.pipeline_parallel_degree = 2
+    for key, value in par.items():
+        setattr(saved.parallelism, key, value)
     saved.training.local_batch_size = local
     run_config(saved, world)
     step2 = tmp_path / "checkpoint" / "step-2"
@@ -104,9 +117,9 @@ def test_upstreams_split_rule() -> None:
     assert generate_llm_fqn_per_model_part(1, 2) == [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
 
 
-def _cfg(backend: str = "default", **parallelism: Any) -> JobConfig:
+def _cfg(backend: str = "default", flavor: str = "tiny", **parallelism: Any) -> JobConfig:
     return JobConfig.from_dict({
-        "model": {"flavor": "tiny"},
+        "model": {"flavor": flavor},
         "training": {"steps": 1, "local_batch_size": 2, "seq_len": 16, "device": "cpu"},
         "parallelism": {"spmd_backend": backend, "data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
                         **parallelism},
@@ -121,8 +134,10 @@ def _cfg(backend: str = "default", **parallelism: Any) -> JobConfig:
         ({"spmd_backend": "spmd_types"}, ["spmd_types", "pipeline parallelism", "'default'"]),
         ({"pipeline_parallel_schedule": "Nope"}, ["pipeline_parallel_schedule='Nope'", "unknown", "'GPipe'",
                                                   "'Interleaved1F1B'"]),
-        ({"pipeline_parallel_schedule": "Interleaved1F1B"}, ["'Interleaved1F1B'", "multi-stage", "not built",
-                                                             "['GPipe', '1F1B']"]),
+        ({"pipeline_parallel_schedule": "ZBVZeroBubble", "pipeline_parallel_layers_per_stage": 1,
+          "flavor": "debugmodel"}, ["'ZBVZeroBubble' places 2 stages a rank", "8 stages, 4 a rank"]),
+        ({"pipeline_parallel_schedule": "DualPipeV"}, ["'DualPipeV' with 2 microbatches",
+                                                       "pipeline_parallel_microbatch_size", "4 stages"]),
         ({"pipeline_parallel_schedule": "Interleaved1F1B", "pipeline_parallel_layers_per_stage": 2},
          ["multi-stage", "pipeline_parallel_layers_per_stage=2", "2 stages, 1 a rank"]),
         ({"pipeline_parallel_layers_per_stage": 1}, ["single-stage", "pipeline_parallel_layers_per_stage=1",
@@ -148,7 +163,7 @@ def test_bad_pipeline_config_is_a_setup_error(fake_pg: Callable[[int], None], ov
     fake_pg(4)
     backend = overrides.pop("spmd_backend", "default")
     with pytest.raises(ValueError) as err:
-        Trainer(_cfg(backend, **overrides))
+        Trainer(_cfg(backend, **overrides))  # type: ignore[arg-type]
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
 
@@ -158,7 +173,29 @@ def test_a_layers_per_stage_that_fits_builds(fake_pg: Callable[[int], None]) -> 
 
     fake_pg(4)
     trainer = Trainer(_cfg(pipeline_parallel_layers_per_stage=2))
-    assert trainer.pipeline is not None and trainer.pipeline.module_names == ["tok_embeddings", "layers.0"]
+    assert trainer.pipeline is not None and trainer.pipeline.module_names == [["tok_embeddings", "layers.0"]]
+
+
+def test_a_csv_schedule_is_a_setup_error_naming_the_schedules(fake_pg: Callable[[int], None], tmp_path: Path) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    csv = tmp_path / "schedule.csv"
+    csv.write_text("F0,B0\n")
+    fake_pg(4)
+    with pytest.raises(ValueError, match="CSV schedules are not built.*'GPipe', '1F1B', 'Interleaved1F1B'"):
+        Trainer(_cfg(pipeline_parallel_schedule_csv=str(csv)))
+
+
+def test_a_looped_schedule_places_upstreams_stages(fake_pg: Callable[[int], None]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)  # this process is pp rank 0 of 2: loop style stages 0 and 2, V style 0 and 3
+    looped = Trainer(_cfg(pipeline_parallel_schedule="Interleaved1F1B")).pipeline
+    assert looped is not None and looped.stage_indices == [0, 2]
+    assert looped.module_names == [["tok_embeddings"], ["layers.1"]]
+    v_shaped = Trainer(_cfg(pipeline_parallel_schedule="ZBVZeroBubble")).pipeline
+    assert v_shaped is not None and v_shaped.stage_indices == [0, 3]
+    assert v_shaped.module_names == [["tok_embeddings"], ["norm", "output"]]
 
 
 def test_pp_not_dividing_the_world_is_a_setup_error(fake_pg: Callable[[int], None]) -> None:

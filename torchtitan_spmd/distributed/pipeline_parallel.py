@@ -22,9 +22,10 @@ does not depend on the stage), the loss is computed on the last stage, and
 sum the loss and the squared gradient norm over ``pp`` too, so every rank logs the true global
 values. Gradient accumulation runs the schedule once per ``training.local_batch_size`` rows.
 
-Built: the single-stage schedules (one stage a rank) under the backends whose activations are
-plain local tensors between modules (``default``). Multi-stage schedules and CSV schedules are
-setup errors naming what runs.
+Built: every schedule of ``get_schedule_class`` (measured on gloo) under the backends whose
+activations are plain local tensors between modules (``default``). Under a multi-stage schedule
+a rank's stages are views of its one part (:func:`stage_view`), each an FSDP root. CSV schedules
+are a setup error naming what runs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .apply_plan import plain_fqn
 from .plan import ShardingPlan, fqn_matches
 
 __all__ = [
@@ -53,7 +55,8 @@ __all__ = [
 logger = logging.getLogger("torchtitan_spmd")
 
 #: The schedules this runtime runs (measured on gloo): single-stage ones, one stage a rank.
-BUILT_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
+BUILT_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                    "ZBVZeroBubble", "DualPipeV")
 #: The model's input and output modules (upstream names the output ``lm_head``; ours is ``output``).
 INPUT_MODULES: tuple[str, ...] = ("tok_embeddings",)
 OUTPUT_MODULES: tuple[str, ...] = ("norm", "output")
@@ -140,6 +143,42 @@ def split_module(model: nn.Module, module_names: Sequence[str]) -> nn.Module:
     return part
 
 
+#: nn.Module's per-instance hook tables: a stage view gets its own (FSDP installs its hooks there).
+_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def stage_view(part: nn.Module, module_names: Sequence[str]) -> nn.Module:
+    """A module of ``part``'s class that runs only ``module_names`` of ``part`` (one stage of a
+    looped schedule), sharing ``part``'s submodules, parameters and buffers, with its own hooks.
+
+    ``part`` keeps every stage's modules under their FQNs (the optimizer, checkpoints and the
+    gradient norm see it); torch's pipelining runs each view as a stage. Hand-written because
+    torch has no "view of a module subset": a deep copy would duplicate the parameters.
+    """
+    view = copy.copy(part)  # the same _parameters/_buffers tables and submodule objects
+    for table in _HOOK_TABLES:
+        if table in vars(part):
+            setattr(view, table, type(getattr(part, table))())
+    keep = set(module_names)
+    modules = type(part._modules)()
+    for name, child in part._modules.items():
+        if isinstance(child, nn.ModuleDict):
+            modules[name] = nn.ModuleDict({k: m for k, m in child.items() if f"{name}.{k}" in keep})
+        else:
+            modules[name] = child if name in keep else None
+    view._modules = modules
+    return view
+
+
+def states_of(module: nn.Module, states: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``states`` (by FQN, wrappers' names left out) that ``module`` holds."""
+    names = {plain_fqn(n) for n, _ in [*module.named_parameters(), *module.named_buffers()]}
+    return {k: v for k, v in states.items() if k in names}
+
+
 def _check_fqns(parts: Sequence[Sequence[str]], model: nn.Module) -> None:
     """Every name of ``parts`` a top-level module or a ``layers`` entry of ``model``, each in one part."""
     known = []
@@ -195,24 +234,28 @@ class PipelineParallel:
 
     schedule_name: str
     num_stages: int
-    stage_index: int
-    module_names: list[str]
+    #: This rank's stages (one for single-stage schedules; ``pp_rank + s * pp`` for looped
+    #: ones, ``(pp_rank, num_stages - 1 - pp_rank)`` for the V-shaped ones), in order.
+    stage_indices: list[int]
+    #: The module names of each of this rank's stages.
+    module_names: list[list[str]]
     n_microbatches: int
     group: dist.ProcessGroup
     schedule: Any = None
     loss: _StepLoss | None = None
     #: The model's state-dict keys the other stages hold (set by :meth:`split`).
     other_stage_keys: frozenset[str] = frozenset()
+    _views: list[nn.Module] | None = None
 
     @property
     def is_first(self) -> bool:
         """Whether this rank holds the first stage (it reads the tokens)."""
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
         """Whether this rank holds the last stage (it computes the loss)."""
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.stage_indices
 
     @classmethod
     def from_config(cls, job_config: Any, parallel_dims: Any, model: nn.Module) -> PipelineParallel | None:
@@ -264,8 +307,8 @@ class PipelineParallel:
                              f"stages a rank), but {where} {num_stages} stages, {per_rank} a rank at "
                              f"pipeline_parallel_degree={pp}.")
         if name not in BUILT_SCHEDULES:
-            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r}: multi-stage schedules are not "
-                             f"built in this runtime; it runs {list(BUILT_SCHEDULES)}.")
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is not built in this runtime; "
+                             f"it runs {list(BUILT_SCHEDULES)}.")
         parts = par.module_fqns_per_model_part
         if parts is None:
             parts = generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
@@ -275,14 +318,23 @@ class PipelineParallel:
             raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
                              f"training.local_batch_size={training.local_batch_size}.")
         pp_mesh = parallel_dims.get_mesh("pp")
-        stage_index = pp_mesh.get_local_rank()
-        return cls(schedule_name=name, num_stages=num_stages, stage_index=stage_index,
-                   module_names=list(parts[stage_index]), n_microbatches=training.local_batch_size // mb,
+        pp_rank = pp_mesh.get_local_rank()
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+        if issubclass(schedule_class, ScheduleZBVZeroBubble | ScheduleDualPipeV):  # V-shaped: 2 stages a rank
+            if per_rank != 2:
+                raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} places 2 stages a rank, but "
+                                 f"{where} {num_stages} stages, {per_rank} a rank at pipeline_parallel_degree={pp}.")
+            indices = [pp_rank, num_stages - 1 - pp_rank]
+        else:
+            indices = [pp_rank + s * pp for s in range(per_rank)]
+        return cls(schedule_name=name, num_stages=num_stages, stage_indices=indices,
+                   module_names=[list(parts[i]) for i in indices], n_microbatches=training.local_batch_size // mb,
                    group=pp_mesh.get_group())
 
     def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
         """This stage's part of ``model`` (meta) and the plan restricted to it."""
-        part = split_module(model, self.module_names)
+        part = split_module(model, [n for names in self.module_names for n in names])
         self.other_stage_keys = frozenset(model.state_dict()) - frozenset(part.state_dict())
         return part, part_plan(plan, part)
 
@@ -295,12 +347,30 @@ class PipelineParallel:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
-        stage = PipelineStage(part, self.stage_index, self.num_stages, torch.device(device), group=self.group)
+        modules = self.stage_modules(part)
+        stages = [PipelineStage(m, i, self.num_stages, torch.device(device), group=self.group)
+                  for m, i in zip(modules, self.stage_indices, strict=True)]
         self.loss = _StepLoss(loss_fn, **loss_kwargs)
-        self.schedule = get_schedule_class(self.schedule_name)(
-            stage, n_microbatches=self.n_microbatches, loss_fn=self.loss, scale_grads=False)
-        logger.info(f"pipeline: stage {self.stage_index} of {self.num_stages} holds {self.module_names}; "
+        schedule_class = get_schedule_class(self.schedule_name)
+        try:
+            self.schedule = schedule_class(stages[0] if len(stages) == 1 else stages,
+                                           n_microbatches=self.n_microbatches, loss_fn=self.loss, scale_grads=False)
+        except ValueError as err:  # torch's own checks of the schedule (e.g. DualPipeV's microbatch count)
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={self.schedule_name!r} with "
+                             f"{self.n_microbatches} microbatches (training.local_batch_size / "
+                             f"pipeline_parallel_microbatch_size) and {self.num_stages} stages: {err}") from None
+        logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
                     f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
+
+    def stage_modules(self, part: nn.Module) -> list[nn.Module]:
+        """The module each of this rank's stages runs: ``part`` itself for one stage a rank; for
+        several, one view of ``part`` per stage (:func:`stage_view`), built once (after the plan,
+        activation checkpointing and compile, before FSDP: each view is an FSDP root)."""
+        if len(self.stage_indices) == 1:
+            return [part]
+        if self._views is None:
+            self._views = [stage_view(part, names) for names in self.module_names]
+        return self._views
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                          token_count: torch.Tensor) -> torch.Tensor:
