@@ -117,9 +117,10 @@ def test_upstreams_split_rule() -> None:
     assert generate_llm_fqn_per_model_part(1, 2) == [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
 
 
-def _cfg(backend: str = "default", flavor: str = "tiny", **parallelism: Any) -> JobConfig:
+def _cfg(backend: str = "default", flavor: str = "tiny", ac: str = "none", **parallelism: Any) -> JobConfig:
     return JobConfig.from_dict({
         "model": {"flavor": flavor},
+        "activation_checkpoint": {"mode": ac},
         "training": {"steps": 1, "local_batch_size": 2, "seq_len": 16, "device": "cpu"},
         "parallelism": {"spmd_backend": backend, "data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
                         **parallelism},
@@ -136,7 +137,9 @@ def _cfg(backend: str = "default", flavor: str = "tiny", **parallelism: Any) -> 
                                                   "'Interleaved1F1B'"]),
         ({"pipeline_parallel_schedule": "ZBVZeroBubble", "pipeline_parallel_layers_per_stage": 1,
           "flavor": "debugmodel"}, ["'ZBVZeroBubble' places 2 stages a rank", "8 stages, 4 a rank"]),
-        ({"pipeline_parallel_schedule": "DualPipeV"}, ["'DualPipeV' with 2 microbatches",
+        ({"pipeline_parallel_schedule": "ZBVZeroBubble", "ac": "selective"},
+         ["'ZBVZeroBubble' splits each backward", "activation_checkpoint.mode='selective'", "'LoopedBFS'"]),
+        ({"pipeline_parallel_schedule": "DualPipeV", "ac": "full"}, ["'DualPipeV' with 2 microbatches",
                                                        "pipeline_parallel_microbatch_size", "4 stages"]),
         ({"pipeline_parallel_schedule": "Interleaved1F1B", "pipeline_parallel_layers_per_stage": 2},
          ["multi-stage", "pipeline_parallel_layers_per_stage=2", "2 stages, 1 a rank"]),

@@ -54,6 +54,11 @@ __all__ = [
 
 logger = logging.getLogger("torchtitan_spmd")
 
+#: The schedules that run a block's backward in two passes (input, then weight gradients):
+#: torch's selective activation checkpointing allows one backward a region ("Trying to
+#: backward an extra time", measured), so they are a setup error with it.
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
 #: The schedules this runtime runs (measured on gloo): single-stage ones, one stage a rank.
 BUILT_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                                     "ZBVZeroBubble", "DualPipeV")
@@ -309,6 +314,11 @@ class PipelineParallel:
         if name not in BUILT_SCHEDULES:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is not built in this runtime; "
                              f"it runs {list(BUILT_SCHEDULES)}.")
+        ac_mode = job_config.activation_checkpoint.mode
+        if name in SPLIT_BACKWARD_SCHEDULES and ac_mode == "selective":
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} splits each backward in two, which "
+                             f"activation_checkpoint.mode='selective' cannot run; use mode 'full' or 'none', or a "
+                             f"schedule of {[n for n in BUILT_SCHEDULES if n not in SPLIT_BACKWARD_SCHEDULES]}.")
         parts = par.module_fqns_per_model_part
         if parts is None:
             parts = generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
