@@ -7,6 +7,7 @@ batch; a checkpoint saved under PP resumes without PP, with the model's own keys
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,27 @@ def test_pp_not_dividing_the_world_is_a_setup_error(fake_pg: Callable[[int], Non
     with pytest.raises(ValueError, match="pipeline_parallel_degree|pp") as err:
         Trainer(_cfg(data_parallel_shard_degree=-1, pipeline_parallel_degree=4))
     assert "6" in str(err.value) and "4" in str(err.value)
+
+
+def test_a_stage_view_shares_the_parts_tensors_and_has_its_own_hooks() -> None:
+    import torch
+
+    from torchtitan_spmd.distributed.pipeline_parallel import split_module, stage_view
+    from torchtitan_spmd.models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    config = dataclasses.replace(spec.flavors["tiny"], max_seq_len=8)  # as the trainer: max_seq_len = seq_len
+    part = split_module(spec.build(config), ["tok_embeddings", "layers.1"])  # a looped rank's part
+    first, second = stage_view(part, ["tok_embeddings"]), stage_view(part, ["layers.1"])
+    assert type(first) is type(part) and first.layers is not part.layers and first.output is None
+    assert list(first.state_dict()) == ["tok_embeddings.weight"]  # the model's FQNs
+    assert set(second.state_dict()) == {k for k in part.state_dict() if k.startswith("layers.1.")}
+    assert second.layers["1"] is part.layers["1"]  # shared modules, so shared parameters
+    assert first.tok_embeddings.weight is part.tok_embeddings.weight
+    calls: list[str] = []
+    first.register_forward_pre_hook(lambda *_: calls.append("first"))
+    second.register_forward_pre_hook(lambda *_: calls.append("second"))
+    h = first(torch.randint(0, 320, (1, 8)))
+    second(h)
+    assert calls == ["first", "second"]  # FSDP's root hooks of one stage never run for another
+    assert h.shape == (1, 8, 64)
