@@ -7,13 +7,14 @@ Jobs (default backend, fp32, no activation checkpointing, eager, gloo), interlea
 
 - ``single``: one process, local batch = the global batch;
 - ``fsdp2``: two ranks, FSDP 2 (the same two ranks without pipelining);
-- ``pp2_<schedule>``: two ranks, one stage each, for each of ``--schedules`` (GPipe, 1F1B),
-  ``m = global batch / microbatch size`` microbatches.
+- ``pp2_<schedule>``: two ranks, for each of ``--schedules`` (by default every torch schedule: one
+  stage a rank for GPipe and 1F1B, two for the others), ``m = global batch / microbatch size``
+  microbatches.
 
 Step time: the median over the steps after the first of the slowest rank per step, then the median over
 repeats. Peak RSS: ``VmHWM`` of the largest rank, reset right after the fork. The bubble column is the PP
 step time over the ideal of a perfect two-way split of the one-process step (``single / 2``), next to
-GPipe/1F1B's ideal ``(m + p - 1) / m``.
+the schedule's ideal ``1 + (p - 1) / (v m)`` (``(m + p - 1) / m`` for one stage a rank, ``v = 1``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--microbatch-size", type=int, default=1)
-    parser.add_argument("--schedules", default="GPipe,1F1B")
+    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,"
+                                               "ZBVZeroBubble,DualPipeV")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
@@ -101,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     single = statistics.median(step_s["single"])
     print(f"llama3 {args.flavor}, global batch {args.global_batch} x seq {args.seq_len}, m = {m} microbatches, "
           f"p = {p}; median of {args.repeats} interleaved repeats")
-    print("| job | ranks | step (s) | peak RSS per rank (MiB) | step / (single / 2) | ideal (m+p-1)/m |")
+    print("| job | ranks | step (s) | peak RSS per rank (MiB) | step / (single / 2) | ideal 1 + (p-1)/(v m) |")
     print("|---|---|---|---|---|---|")
     for job in jobs:
         t = statistics.median(step_s[job])
         ranks = 1 if job == "single" else 2
         ratio = f"{t / (single / 2):.2f}" if ranks == 2 else "-"
-        ideal = f"{(m + p - 1) / m:.2f}" if job.startswith("pp2_") else "-"
+        ideal = "-"
+        if job.startswith("pp2_"):  # v stages a rank: the bubble is (p - 1) / (v m) of the work
+            v = 1 if job[4:] in ("GPipe", "1F1B") else 2
+            ideal = f"{1 + (p - 1) / (v * m):.2f}"
         print(f"| {job} | {ranks} | {t:.3f} | {statistics.median(peak[job]):.0f} | {ratio} | {ideal} |")
     return 0
 
