@@ -135,7 +135,9 @@ def _cfg(backend: str = "default", flavor: str = "tiny", ac: str = "none", **par
                                             "pipeline_parallel_degree=1"]),
         ({"spmd_backend": "spmd_types"}, ["spmd_types", "pipeline parallelism", "'default'"]),
         ({"pipeline_parallel_schedule": "Nope"}, ["pipeline_parallel_schedule='Nope'", "unknown", "'GPipe'",
-                                                  "'Interleaved1F1B'"]),
+                                                  "'Interleaved1F1B'", "'DualPipeV'"]),
+        ({"pipeline_parallel_schedule": "PipelineScheduleMulti"}, ["'PipelineScheduleMulti'", "abstract",
+                                                                   "'LoopedBFS'"]),
         ({"pipeline_parallel_schedule": "ZBVZeroBubble", "pipeline_parallel_layers_per_stage": 1,
           "flavor": "debugmodel"}, ["'ZBVZeroBubble' places 2 stages a rank", "8 stages, 4 a rank"]),
         ({"pipeline_parallel_schedule": "ZBVZeroBubble", "ac": "selective"},
@@ -197,6 +199,7 @@ def test_a_looped_schedule_places_upstreams_stages(fake_pg: Callable[[int], None
     looped = Trainer(_cfg(pipeline_parallel_schedule="Interleaved1F1B")).pipeline
     assert looped is not None and looped.stage_indices == [0, 2]
     assert looped.module_names == [["tok_embeddings"], ["layers.1"]]
+    assert Trainer(_cfg(pipeline_parallel_schedule="gpipe")).pipeline.schedule_name == "GPipe"  # type: ignore[union-attr]
     v_shaped = Trainer(_cfg(pipeline_parallel_schedule="ZBVZeroBubble")).pipeline
     assert v_shaped is not None and v_shaped.stage_indices == [0, 3]
     assert v_shaped.module_names == [["tok_embeddings"], ["norm", "output"]]
