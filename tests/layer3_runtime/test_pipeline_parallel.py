@@ -22,29 +22,23 @@ from torchtitan_spmd.distributed.pipeline_parallel import generate_llm_fqn_per_m
 STEPS = 4
 
 #: name -> (world, parallelism, local batch, global batch)
+def _pp2(schedule: str, *, dp_shard: int = 2, tp: int = 1) -> dict[str, Any]:
+    return {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp, "pipeline_parallel_degree": 2,
+            "pipeline_parallel_schedule": schedule}
+
+
 PP_CELLS: dict[str, tuple[int, dict[str, Any], int, int]] = {
-    "pp2_fsdp2_1f1b": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                           "pipeline_parallel_schedule": "1F1B"}, 2, 4),
-    "pp2_tp2_gpipe": (4, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2,
-                          "pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe"}, 2, 2),
-    # two accumulation steps of two microbatches each: pp only (global 4 = 2 rows x 2), and with FSDP 2
-    # (global 8 = 2 rows x 2 data-parallel ranks x 2)
-    "pp2_fsdp2_gpipe_accumulation": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                         "pipeline_parallel_schedule": "GPipe"}, 2, 8),
+    "pp2_fsdp2_1f1b": (4, _pp2("1F1B"), 2, 4),
+    "pp2_tp2_gpipe": (4, _pp2("GPipe", dp_shard=1, tp=2), 2, 2),
+    # two accumulation steps of two microbatches each: with FSDP 2 (global 8 = 2 rows x 2 data-parallel
+    # ranks x 2), and pp only (global 4 = 2 rows x 2)
+    "pp2_fsdp2_gpipe_accumulation": (4, _pp2("GPipe"), 2, 8),
+    "pp2_gpipe_accumulation": (2, _pp2("GPipe", dp_shard=1), 2, 4),
     # two stages a rank (tiny: [embedding], [layers.0], [layers.1], [norm, output]), each its own FSDP root
-    "pp2_fsdp2_interleaved1f1b": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                      "pipeline_parallel_schedule": "Interleaved1F1B"}, 2, 4),
-    "pp2_fsdp2_loopedbfs": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                "pipeline_parallel_schedule": "LoopedBFS"}, 2, 4),
-    "pp2_fsdp2_interleavedzerobubble": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                            "pipeline_parallel_schedule": "InterleavedZeroBubble"}, 2, 4),
-    "pp2_fsdp2_zbvzerobubble": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                    "pipeline_parallel_schedule": "ZBVZeroBubble"}, 2, 4),
+    **{f"pp2_fsdp2_{s.lower()}": (4, _pp2(s), 2, 4)
+       for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     # DualPipeV needs as many microbatches as stages (4)
-    "pp2_fsdp2_dualpipev": (4, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
-                                "pipeline_parallel_schedule": "DualPipeV"}, 4, 8),
-    "pp2_gpipe_accumulation": (2, {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
-                                   "pipeline_parallel_schedule": "GPipe"}, 2, 4),
+    "pp2_fsdp2_dualpipev": (4, _pp2("DualPipeV"), 4, 8),
 }
 
 
