@@ -62,6 +62,7 @@ from torchtitan_spmd.distributed.loss import (
 )
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
+from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel, states_of
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
     get_train_context,
@@ -257,6 +258,10 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, job_config.optimizer)
         self.loss_fn = maybe_compile_loss(cross_entropy_loss, job_config.compile)
+        if self.pipeline is not None:  # the loss runs inside torch's schedule, on the last stage
+            self.pipeline.build_schedule(self.model, self.device_type, self.loss_fn,
+                                         representation=self.representation,
+                                         logits_layout=self.plan.output_layout())
         self.amp = functools.partial(maybe_enable_amp, self.parallel_dims,
                                      training.mixed_precision_param, self.device_type)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -306,6 +311,7 @@ class Trainer:
             state_layouts=self.state_layouts, device_type=self.device_type,
             timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
             sd_adapter=self._sd_adapter(), hf_assets_path=hf_checkpoint.hf_folder(cfg),
+            other_stage_keys=self.pipeline.other_stage_keys if self.pipeline is not None else frozenset(),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
                     "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
         )
@@ -326,19 +332,30 @@ class Trainer:
         4. FSDP2 on what the representation shards, with the mixed-precision policy;
         5. materialise on the device and initialise, each rank its shards of the
            full, seeded weights (the same whatever the layout).
+
+        Under pipeline parallelism the model is first split and this rank's stage (its part
+        of the model, the plan restricted to it) goes through the same steps.
         """
         rep, cfg = self.representation, self.job_config
         with torch.device("meta"):
             model = self.model_spec.build(self.model_config)
-        apply_context_parallel(model, self.plan, self.context_parallel)
-        self.state_layouts = apply_plan(model, self.plan, rep)
+        plan = self.plan
+        #: This rank's pipeline stage and schedule (None without pipeline parallelism).
+        self.pipeline = PipelineParallel.from_config(cfg, self.parallel_dims, model)
+        if self.pipeline is not None:
+            model, plan = self.pipeline.split(model, plan)
+        apply_context_parallel(model, plan, self.context_parallel)
+        self.state_layouts = apply_plan(model, plan, rep)
         apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
             apply_compile(model, cfg.compile)
-        apply_fsdp(model, self.plan, rep,
+        roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
+        apply_fsdp(model, plan, rep,
                    param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
-                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])  # type: ignore[arg-type]
-        init_weights(model, self.state_layouts, rep, seed=self.seed, device=self.device_type)
+                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
+                   reshard_after_forward=False if self.pipeline is not None else None, roots=roots)
+        for root in roots:  # each FSDP root materialises its own parameters
+            init_weights(root, states_of(root, self.state_layouts), rep, seed=self.seed, device=self.device_type)
         return model
 
     def step(self, step: int) -> StepRecord:
@@ -363,6 +380,10 @@ class Trainer:
             token_count = global_token_count([y for _, y in micro], rep)
         losses = []
         for i, ((inputs, targets), pos) in enumerate(zip(micro, positions, strict=True)):
+            if self.pipeline is not None:  # the schedule's microbatches, its loss, its FSDP reduction
+                with self.train_context(), self.amp():
+                    losses.append(self.pipeline.forward_backward(inputs, targets, token_count))
+                continue
             set_gradient_sync(self.model, i == n - 1)
             with self.train_context():
                 with self.amp():
@@ -372,12 +393,16 @@ class Trainer:
                 del logits
                 loss.backward()
             losses.append(loss.detach())
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep)
+        pp_group = self.pipeline.group if self.pipeline is not None else None
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep,
+                                    stage_group=pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = global_loss_value(sum(losses[1:], losses[0]), rep)
+        loss = sum(losses[1:], losses[0])
+        loss_value = (global_loss_value(loss, rep) if self.pipeline is None
+                      else self.pipeline.global_loss(loss, rep.sum_over_batch))
         elapsed = time.perf_counter() - start
         return StepRecord(
             step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,
@@ -546,6 +571,7 @@ def run_job(job_config: JobConfig) -> int:
                 f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
                 f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
                 f"tp={trainer.parallel_dims.tp}"
+                + (f" pp={trainer.parallel_dims.pp}" if trainer.parallel_dims.pp > 1 else "")
             )
             _write_outputs(job_config)
         records = trainer.run()

@@ -31,7 +31,6 @@ def _cfg(backend: str, **parallelism: int) -> JobConfig:
 @pytest.mark.parametrize(
     ("degrees", "needles"),
     [
-        ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
         ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
 )

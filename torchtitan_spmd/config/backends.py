@@ -82,6 +82,9 @@ class Backend:
     context_parallel: bool = False
     """Whether it runs context parallelism (``parallelism.context_parallel_degree > 1``)."""
 
+    pipeline_parallel: bool = False
+    """Whether it runs pipeline parallelism (``parallelism.pipeline_parallel_degree > 1``)."""
+
 
 _BASE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _DATA = ("pp", "batch", "cp", "tp")  # data loading: which batch shard a rank reads
@@ -153,6 +156,7 @@ register_backend(Backend(
         spmd_meshes=(("dp_replicate", "fsdp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=False,
     ),
+    pipeline_parallel=True,
 ))
 register_backend(Backend(
     "full_dtensor", f"{_RUNTIME}.full_dtensor",

@@ -65,13 +65,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     *_rows(ParallelismConfig, "FSDP reshard-after-forward policies", "fsdp_reshard_after_forward"),
     *_rows(ParallelismConfig, "FSDP symmetric-memory communication", "enable_fsdp_symm_mem"),
     *_rows(ParallelismConfig, "async tensor parallelism", "enable_async_tensor_parallel"),
-    *_rows(
-        ParallelismConfig, "pipeline parallelism (model split and schedules)",
-        "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
-        "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
-        "pipeline_parallel_microbatch_size",
-    ),
     *_rows(CheckpointConfig, "loading quantized Hugging Face checkpoints (dequantized on load)",
            "initial_load_in_hf_quantized"),
     Unsupported(CheckpointConfig, "async_mode", "asynchronous checkpointing through pinned shared memory "

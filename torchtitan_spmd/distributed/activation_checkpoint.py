@@ -153,7 +153,8 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> nn.Module:
     if ac.mode == "none":
         return model
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.Module) or not list(layers.children()):
+    # An empty container is a pipeline stage holding no block (e.g. the embedding alone).
+    if not isinstance(layers, nn.Module):
         raise ValueError(
             f"activation_checkpoint.mode={ac.mode!r} wraps the blocks of model.layers, but "
             f"{type(model).__name__} has no such container."

@@ -348,8 +348,11 @@ class CheckpointManager:
                  representation: TensorRepresentation, state_layouts: Mapping[str, StateLayout],
                  device_type: str = "cpu", record: Mapping[str, Any] | None = None,
                  timeout: timedelta | None = None, sd_adapter: StateDictAdapter | None = None,
-                 hf_assets_path: str | None = None) -> None:
+                 hf_assets_path: str | None = None, other_stage_keys: frozenset[str] = frozenset()) -> None:
         self.config = config
+        #: Under pipeline parallelism: the model keys the other stages hold (a checkpoint has
+        #: them, this rank's part does not).
+        self.other_stage_keys = other_stage_keys
         self.sd_adapter, self.hf_assets_path = sd_adapter, hf_assets_path
         self.enable = config.enable
         self.folder = os.path.join(base_folder, config.folder)
@@ -668,7 +671,7 @@ class CheckpointManager:
             if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != _shape(value):
                 raise ValueError(f"saved from another model: {key!r} has shape "
                                  f"{tuple(saved.size)} there and {_shape(value)} in this model.")
-        extra = sorted(saved_model - set(model))
+        extra = sorted(saved_model - set(model) - self.other_stage_keys)
         if extra:
             raise ValueError(f"saved from another model: it holds {extra[0]!r}, "
                              f"which this model lacks ({len(extra)} such keys).")

@@ -66,7 +66,8 @@ def validate_compile(job_config: JobConfig, representation: TensorRepresentation
 def apply_compile(model: nn.Module, compile_config: CompileConfig) -> nn.Module:
     """Compile every block of ``model.layers`` in place (``fullgraph=True``); returns ``model``."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.Module) or not list(layers.children()):
+    # An empty container is a pipeline stage holding no block (e.g. the embedding alone).
+    if not isinstance(layers, nn.Module):
         raise ValueError(
             f"compile.components includes 'model': compile wraps the blocks of model.layers, but "
             f"{type(model).__name__} has no such container."

@@ -18,6 +18,7 @@ all but the last microbatch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,8 +47,15 @@ def clear_dtensor_sharding_caches() -> None:
 
 def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation, *,
                param_dtype: torch.dtype = torch.float32,
-               reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+               reduce_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool | None = None,
+               roots: Sequence[nn.Module] | None = None) -> nn.Module:
     """Shard ``model``'s parameters with FSDP2 per ``representation.fsdp_spec()``; no-op without DP.
+
+    ``reshard_after_forward``: ``fully_shard``'s (None: its default); False under pipeline
+    parallelism, as upstream (a stage's parameters stay gathered between its microbatches'
+    forwards and backwards). ``roots``: the FSDP roots after the units (default ``[model]``;
+    under a looped pipeline schedule, the rank's stage modules).
 
     ``param_dtype``/``reduce_dtype``: the ``MixedPrecisionPolicy`` (forward inputs are
     not cast, as upstream: the model casts what it needs).
@@ -57,11 +65,12 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
         return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                      cast_forward_inputs=False)
-    kwargs: dict[str, Any] = {"mesh": spec.mesh, "mp_policy": mp_policy}
+    kwargs: dict[str, Any] = {"mesh": spec.mesh, "mp_policy": mp_policy,
+                              "reshard_after_forward": reshard_after_forward}
     if spec.dp_mesh_dims is not None:
         clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
         kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
-    units = [*plan.fsdp_unit_modules(model), model]
+    units = [*plan.fsdp_unit_modules(model), *(roots if roots is not None else [model])]
     for unit in units:
         fully_shard(unit, **kwargs)
     for unit in units:

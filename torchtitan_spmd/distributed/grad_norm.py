@@ -44,8 +44,13 @@ def _local_and_groups(param: torch.Tensor, representation: TensorRepresentation,
     return g.to_local(), groups
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorRepresentation) -> torch.Tensor:
-    """The 2-norm over every gradient of ``parameters``, as a float32 CPU scalar, equal on every rank."""
+def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorRepresentation, *,
+                     stage_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm over every gradient of ``parameters``, as a float32 CPU scalar, equal on every rank.
+
+    ``stage_group``: under pipeline parallelism the ``pp`` group; each stage holds other
+    parameters, so the stages' squared norms are summed over it as well.
+    """
     buckets: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
@@ -53,7 +58,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorR
         local, groups = _local_and_groups(p, representation)
         buckets.setdefault(groups, []).append(local.detach().float().pow(2).sum())
     if not buckets:
-        return torch.zeros((), dtype=torch.float32)
+        return _over_stages(torch.zeros((), dtype=torch.float32), stage_group).sqrt()
     keys = list(buckets)
     sums = torch.stack([torch.stack(buckets[k]).sum() for k in keys])
     seen: list[dist.ProcessGroup] = []
@@ -64,12 +69,24 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorR
         sub = sums[idx].clone()
         dist.all_reduce(sub, group=group)
         sums[idx] = sub
-    return sums.sum().sqrt().cpu()
+    return _over_stages(sums.sum(), stage_group).sqrt().cpu()
+
+
+def _over_stages(squares: torch.Tensor, stage_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``squares`` summed over the pipeline stages (unchanged without ``stage_group``)."""
+    if stage_group is None:
+        return squares
+    squares = squares.clone()
+    dist.all_reduce(squares, group=stage_group)
+    return squares
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    representation: TensorRepresentation) -> float:
+                    representation: TensorRepresentation, *,
+                    stage_group: dist.ProcessGroup | None = None) -> float:
     """Clip gradients in place to ``max_norm`` over the global norm (0: no clipping); return the norm.
+
+    ``stage_group``: the ``pp`` group under pipeline parallelism (the norm over every stage).
 
     ``Partial`` DTensor gradients (replicated parameters under sequence parallel, e.g.
     the norm weights) are reduced here, in place and once, so the optimizer only sees
@@ -80,7 +97,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     for p in params:
         if isinstance(p.grad, DTensor):
             p.grad = _without_partial(p.grad)
-    total = global_grad_norm(params, representation)
+    total = global_grad_norm(params, representation, stage_group=stage_group)
     if params and max_norm > 0:
         _scale_local_grads(params, max_norm, total)
     return float(total)

@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
-from torchtitan_spmd.config.backends import backend
+from torchtitan_spmd.config.backends import backend, backend_names
 
 from .layout import SpmdLayout
 
@@ -156,6 +156,9 @@ class TensorRepresentation(ABC):
     supports_context_parallel = _FromRegistry(
         "context_parallel", "Whether this backend runs context parallelism (``context_parallel_degree > 1``): "
         "sequence-sharded activations and ring attention over ``cp``.")
+    supports_pipeline_parallel = _FromRegistry(
+        "pipeline_parallel", "Whether this backend runs pipeline parallelism (``pipeline_parallel_degree > 1``): "
+        "its activations cross stage boundaries as plain local tensors.")
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims
@@ -170,14 +173,18 @@ class TensorRepresentation(ABC):
     def validate(self, job_config: JobConfig) -> None:
         """Raise ``ValueError`` at setup for what this backend cannot run.
 
-        Pipeline and expert parallelism have meshes (``ParallelDims``) but no runtime yet.
+        Expert parallelism has meshes (``ParallelDims``) but no runtime yet, pipeline parallelism
+        runs only under the backends whose registry record says so.
         (Context parallelism under a backend without :attr:`supports_context_parallel` is
         rejected earlier, once, by ``context_parallel.validate_context_parallel``.)
         """
         pd, name = self.parallel_dims, self.name
-        if pd.pp_enabled:
+        if pd.pp_enabled and not self.supports_pipeline_parallel:
+            running = [b for b in backend_names() if backend(b).pipeline_parallel]
             raise ValueError(describe_unsupported(
-                name, "pipeline parallelism in this runtime", "set parallelism.pipeline_parallel_degree=1."
+                name, "pipeline parallelism in this runtime",
+                f"it runs under parallelism.spmd_backend {', '.join(map(repr, running))}; or set "
+                "parallelism.pipeline_parallel_degree=1."
             ))
         if pd.ep_enabled:
             raise ValueError(describe_unsupported(

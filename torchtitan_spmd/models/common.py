@@ -289,17 +289,26 @@ class Decoder(nn.Module):
         RoPE; None means ``0 .. seq-1``. Context parallelism passes them: a rank then holds
         a slice of every sequence, not its start.
         """
-        if positions is None:
+        if positions is None and self.tok_embeddings is None:
+            # A later pipeline stage: ``tokens`` is an activation, sequence-sharded under
+            # sequence parallelism, so its length is not the sequence's. The trainer sizes
+            # the tables to the run's sequences (max_seq_len = training.seq_len).
+            rope_cos, rope_sin = self.rope_cos, self.rope_sin
+        elif positions is None:
             seqlen, limit = tokens.shape[1], self.config.max_seq_len  # type: ignore[attr-defined]
             if seqlen > limit:
                 raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={limit}")
             rope_cos, rope_sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         else:  # per-token tables [batch, seq, head_dim // 2], laid out as the tokens
             rope_cos, rope_sin = F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage's part (distributed/pipeline_parallel.py) lacks the modules other
+        # stages hold: without the embedding ``tokens`` is the previous stage's activation.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin)
-        return self.output(self.norm(h)).float()
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h).float() if self.output is not None else h
 
     def init_std(self, name: str) -> float:
         """Standard deviation of the normal init of weight matrix ``name``.

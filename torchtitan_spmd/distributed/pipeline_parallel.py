@@ -1,0 +1,399 @@
+"""Technique: pipeline parallelism with torch's pipelining (``torch.distributed.pipelining``).
+
+As upstream's ``pipeline_llm`` (torchtitan ``distributed/pipeline_parallel.py`` at a0c831c49):
+
+- the model, built on the meta device, is split by module names: ``module_fqns_per_model_part``,
+  or upstream's rule (:func:`generate_llm_fqn_per_model_part`: the layers spread evenly over
+  the stages, the embedding counting ``pipeline_parallel_first_stage_less_layers`` layers on
+  the first stage and ``norm`` + ``output`` ``pipeline_parallel_last_stage_less_layers`` on the
+  last). A part keeps the model's class and FQNs: the modules it does not hold are ``None``
+  (``tok_embeddings``, ``norm``, ``output``) or removed from ``layers``, so checkpoints have
+  the model's keys whatever the split;
+- each part is then parallelized by the same plan and techniques as a whole model (the plan
+  restricted to the modules the part holds), FSDP with ``reshard_after_forward=False``;
+- ``pp`` is the outermost mesh axis (:class:`~torchtitan_spmd.distributed.parallel_dims.ParallelDims`);
+  the stage is a ``PipelineStage`` on the ``pp`` group and the schedule torch's
+  (``get_schedule_class``), built with ``scale_grads=False``: the loss of every microbatch
+  is already its share of the global mean (:mod:`.loss`).
+
+Training semantics: every stage reads the same rows as without PP (the data-parallel rank
+does not depend on the stage), the loss is computed on the last stage, and
+:meth:`PipelineParallel.global_loss` / the ``stage_group`` of :func:`~.grad_norm.clip_grad_norm_`
+sum the loss and the squared gradient norm over ``pp`` too, so every rank logs the true global
+values. Gradient accumulation runs the schedule once per ``training.local_batch_size`` rows.
+
+Built: every schedule of ``get_schedule_class`` (measured on gloo) under the backends whose
+activations are plain local tensors between modules (``default``). Under a multi-stage schedule
+a rank's stages are views of its one part (:func:`stage_view`), each an FSDP root. CSV schedules
+are a setup error naming what runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .apply_plan import plain_fqn
+from .plan import ShardingPlan, fqn_matches
+
+__all__ = [
+    "BUILT_SCHEDULES",
+    "PipelineParallel",
+    "generate_llm_fqn_per_model_part",
+    "split_module",
+]
+
+logger = logging.getLogger("torchtitan_spmd")
+
+#: The schedules that run a block's backward in two passes (input, then weight gradients):
+#: torch's selective activation checkpointing allows one backward a region ("Trying to
+#: backward an extra time", measured), so they are a setup error with it.
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+#: The schedules this runtime runs: every concrete schedule of torch's ``get_schedule_class``
+#: (each measured on gloo against the reference, tests/layer3_runtime/test_pipeline_parallel.py).
+BUILT_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                    "ZBVZeroBubble", "DualPipeV")
+#: The model's input and output modules (upstream names the output ``lm_head``; ours is ``output``).
+INPUT_MODULES: tuple[str, ...] = ("tok_embeddings",)
+OUTPUT_MODULES: tuple[str, ...] = ("norm", "output")
+
+
+def _schedule_class_or_none(name: str) -> type | None:
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        return get_schedule_class(name)
+    except ValueError:
+        return None
+
+
+def generate_llm_fqn_per_model_part(num_stages: int, num_layers: int, input_weight: int = 1,
+                                    output_weight: int = 1) -> list[list[str]]:
+    """Module names of each of ``num_stages`` parts of a decoder of ``num_layers`` layers (upstream's rule).
+
+    The embedding counts as ``input_weight`` layers on the first part, ``norm`` + ``output``
+    as ``output_weight`` on the last; the ``num_layers + input_weight + output_weight``
+    effective layers are spread evenly, the first parts taking one more where they do not
+    divide. ``ValueError`` (naming the numbers) when a part would be empty or a weight
+    exceeds the layers of a part.
+    """
+    if num_stages < 1:
+        raise ValueError(f"pipeline parallelism: the number of stages must be >= 1, got {num_stages}.")
+    layers = [f"layers.{i}" for i in range(num_layers)]
+    if num_stages == 1:
+        return [[*INPUT_MODULES, *layers, *OUTPUT_MODULES]]
+    effective = num_layers + input_weight + output_weight
+    per_stage, extra = divmod(effective, num_stages)
+    numbers = (f"{num_stages} stages, {num_layers} layers, pipeline_parallel_first_stage_less_layers="
+               f"{input_weight}, pipeline_parallel_last_stage_less_layers={output_weight}")
+    if per_stage == 0:
+        raise ValueError(f"pipeline parallelism: {numbers}: {effective} effective layers leave a stage empty; "
+                         "use fewer stages or less layers' weight on the first/last stage.")
+    for name, weight in (("pipeline_parallel_first_stage_less_layers", input_weight),
+                         ("pipeline_parallel_last_stage_less_layers", output_weight)):
+        if weight > per_stage:
+            raise ValueError(f"pipeline parallelism: {name}={weight} exceeds the {per_stage} effective layers "
+                             f"of a stage ({numbers}).")
+    parts: list[list[str]] = []
+    it = iter(layers)
+    for stage in range(num_stages):
+        count = per_stage + (1 if stage < extra else 0)
+        part: list[str] = []
+        if stage == 0:
+            part.extend(INPUT_MODULES)
+            count -= input_weight
+        elif stage == num_stages - 1:
+            count -= output_weight
+        part.extend(name for _, name in zip(range(count), it, strict=False))
+        if stage == num_stages - 1:
+            part.extend(OUTPUT_MODULES)
+        parts.append(part)
+    return parts
+
+
+def split_module(model: nn.Module, module_names: Sequence[str]) -> nn.Module:
+    """A deep copy of ``model`` holding only ``module_names`` (``"layers.3"`` names one entry of a
+    ``ModuleDict``/``ModuleList``); other children become ``None``, other entries are removed, and
+    every kept parameter keeps its FQN. Call on the meta device (the copy is free there)."""
+    part = copy.deepcopy(model)
+    keep = set(module_names)
+    for name, child in list(part.named_children()):
+        if isinstance(child, nn.ModuleDict | nn.ModuleList):
+            entries = {n.split(".", 1)[1] for n in keep if n.startswith(f"{name}.")}
+            if isinstance(child, nn.ModuleDict):
+                for key in list(child.keys()):
+                    if key not in entries:
+                        del child[key]
+            else:  # a ModuleList would renumber its entries: keep the FQNs with a ModuleDict
+                setattr(part, name, nn.ModuleDict({str(i): m for i, m in enumerate(child) if str(i) in entries}))
+        elif name not in keep:
+            setattr(part, name, None)
+    return part
+
+
+#: nn.Module's per-instance hook tables: a stage view gets its own (FSDP installs its hooks there).
+_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def stage_view(part: nn.Module, module_names: Sequence[str]) -> nn.Module:
+    """A module of ``part``'s class that runs only ``module_names`` of ``part`` (one stage of a
+    looped schedule), sharing ``part``'s submodules, parameters and buffers, with its own hooks.
+
+    ``part`` keeps every stage's modules under their FQNs (the optimizer, checkpoints and the
+    gradient norm see it); torch's pipelining runs each view as a stage. Hand-written because
+    torch has no "view of a module subset": a deep copy would duplicate the parameters.
+    """
+    view = copy.copy(part)  # the same _parameters/_buffers tables and submodule objects
+    for table in _HOOK_TABLES:
+        if table in vars(part):
+            setattr(view, table, type(getattr(part, table))())
+    keep = set(module_names)
+    modules = type(part._modules)()
+    for name, child in part._modules.items():
+        if isinstance(child, nn.ModuleDict):
+            modules[name] = nn.ModuleDict({k: m for k, m in child.items() if f"{name}.{k}" in keep})
+        else:
+            modules[name] = child if name in keep else None
+    view._modules = modules
+    return view
+
+
+def states_of(module: nn.Module, states: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``states`` (by FQN, wrappers' names left out) that ``module`` holds."""
+    names = {plain_fqn(n) for n, _ in [*module.named_parameters(), *module.named_buffers()]}
+    return {k: v for k, v in states.items() if k in names}
+
+
+def _check_fqns(parts: Sequence[Sequence[str]], model: nn.Module) -> None:
+    """Every name of ``parts`` a top-level module or a ``layers`` entry of ``model``, each in one part."""
+    known = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleDict | nn.ModuleList):
+            known.extend(f"{name}.{key}" for key, _ in child.named_children())
+        else:
+            known.append(name)
+    seen: dict[str, int] = {}
+    for i, part in enumerate(parts):
+        for name in part:
+            if name not in known:
+                raise ValueError(f"parallelism.module_fqns_per_model_part[{i}]: unknown module {name!r}; the "
+                                 f"model's modules are {known}.")
+            if name in seen:
+                raise ValueError(f"parallelism.module_fqns_per_model_part: {name!r} is in parts {seen[name]} "
+                                 f"and {i}; each module belongs to one part.")
+            seen[name] = i
+    missing = [name for name in known if name not in seen]
+    if missing:
+        raise ValueError(f"parallelism.module_fqns_per_model_part: modules {missing} are in no part.")
+
+
+def part_plan(plan: ShardingPlan, part: nn.Module) -> ShardingPlan:
+    """``plan`` restricted to the patterns that match a module ``part`` holds."""
+    names = [fqn for fqn, _ in part.named_modules()]
+    return replace(plan, modules={pattern: mplan for pattern, mplan in plan.modules.items()
+                                  if any(fqn_matches(pattern, fqn) for fqn in names)})
+
+
+class _StepLoss:
+    """The schedule's ``loss_fn(output, target)``: this microbatch's share of the global mean.
+
+    ``token_count`` (the global batch's label count) is set before each schedule step.
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], **kwargs: Any) -> None:
+        self.loss_fn, self.kwargs = loss_fn, kwargs
+        self.token_count: torch.Tensor | None = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target, token_count=self.token_count, **self.kwargs)
+
+
+@dataclass
+class PipelineParallel:
+    """This rank's pipeline: its stage, its part of the model and the schedule (see the module docstring).
+
+    Build with :meth:`from_config` (None without PP), then :meth:`split` the meta model,
+    parallelize the part, and :meth:`build_schedule`; :meth:`forward_backward` runs one
+    local batch through the schedule.
+    """
+
+    schedule_name: str
+    num_stages: int
+    #: This rank's stages (one for single-stage schedules; ``pp_rank + s * pp`` for looped
+    #: ones, ``(pp_rank, num_stages - 1 - pp_rank)`` for the V-shaped ones), in order.
+    stage_indices: list[int]
+    #: The module names of each of this rank's stages.
+    module_names: list[list[str]]
+    n_microbatches: int
+    group: dist.ProcessGroup
+    schedule: Any = None
+    loss: _StepLoss | None = None
+    #: The model's state-dict keys the other stages hold (set by :meth:`split`).
+    other_stage_keys: frozenset[str] = frozenset()
+    _views: list[nn.Module] | None = None
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (it reads the tokens)."""
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+    @classmethod
+    def from_config(cls, job_config: Any, parallel_dims: Any, model: nn.Module) -> PipelineParallel | None:
+        """Validate the ``parallelism.pipeline_parallel_*`` fields against the model (on the meta
+        device) and the mesh; None when ``pipeline_parallel_degree`` is 1. (Which backends run
+        PP is the representation's check, from the backend registry.)
+        """
+        par, training = job_config.parallelism, job_config.training
+        pp = parallel_dims.pp
+        if pp <= 1:
+            return None
+        csv = par.pipeline_parallel_schedule_csv
+        if csv:
+            if not os.path.isfile(csv):
+                raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r}: no such file.")
+            raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r}: CSV schedules are not built "
+                             f"in this runtime; set it to '' and pick parallelism.pipeline_parallel_schedule "
+                             f"from {list(BUILT_SCHEDULES)}.")
+        name = par.pipeline_parallel_schedule
+        schedule_class = _schedule_class_or_none(name)  # torch's lookup ignores case
+        canonical = next((n for n in BUILT_SCHEDULES if _schedule_class_or_none(n) is schedule_class), None)
+        if schedule_class is None or canonical is None:
+            what = "unknown schedule" if schedule_class is None else "not a schedule (an abstract base class)"
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r}: {what}; valid choices are "
+                             f"{list(BUILT_SCHEDULES)}.")
+        name = canonical
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        num_layers = len(model.layers)  # type: ignore[arg-type]
+        first, last = par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers
+        layers_per_stage = par.pipeline_parallel_layers_per_stage
+        if par.module_fqns_per_model_part is not None:
+            num_stages = len(par.module_fqns_per_model_part)
+        elif layers_per_stage is not None:
+            num_stages = math.ceil((num_layers + first + last) / layers_per_stage)
+        else:
+            num_stages = pp * (1 if single else 2)
+        where = ("module_fqns_per_model_part has" if par.module_fqns_per_model_part is not None else
+                 f"pipeline_parallel_layers_per_stage={layers_per_stage} with {num_layers} layers "
+                 f"(+{first} first, +{last} last) gives")
+        if num_stages % pp:
+            raise ValueError(f"parallelism: {where} {num_stages} stages, not a multiple of "
+                             f"pipeline_parallel_degree={pp}.")
+        per_rank = num_stages // pp
+        if single and per_rank != 1:
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is a single-stage schedule (one "
+                             f"stage a rank), but {where} {num_stages} stages, {per_rank} a rank at "
+                             f"pipeline_parallel_degree={pp}.")
+        if not single and per_rank < 2:
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is a multi-stage schedule (>= 2 "
+                             f"stages a rank), but {where} {num_stages} stages, {per_rank} a rank at "
+                             f"pipeline_parallel_degree={pp}.")
+        ac_mode = job_config.activation_checkpoint.mode
+        if name in SPLIT_BACKWARD_SCHEDULES and ac_mode == "selective":
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} splits each backward in two, which "
+                             f"activation_checkpoint.mode='selective' cannot run; use mode 'full' or 'none', or a "
+                             f"schedule of {[n for n in BUILT_SCHEDULES if n not in SPLIT_BACKWARD_SCHEDULES]}.")
+        parts = par.module_fqns_per_model_part
+        if parts is None:
+            parts = generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
+        _check_fqns(parts, model)
+        mb = par.pipeline_parallel_microbatch_size
+        if training.local_batch_size % mb:
+            raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
+                             f"training.local_batch_size={training.local_batch_size}.")
+        pp_mesh = parallel_dims.get_mesh("pp")
+        pp_rank = pp_mesh.get_local_rank()
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+        if issubclass(schedule_class, ScheduleZBVZeroBubble | ScheduleDualPipeV):  # V-shaped: 2 stages a rank
+            if per_rank != 2:
+                raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} places 2 stages a rank, but "
+                                 f"{where} {num_stages} stages, {per_rank} a rank at pipeline_parallel_degree={pp}.")
+            indices = [pp_rank, num_stages - 1 - pp_rank]
+        else:
+            indices = [pp_rank + s * pp for s in range(per_rank)]
+        return cls(schedule_name=name, num_stages=num_stages, stage_indices=indices,
+                   module_names=[list(parts[i]) for i in indices], n_microbatches=training.local_batch_size // mb,
+                   group=pp_mesh.get_group())
+
+    def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
+        """This stage's part of ``model`` (meta) and the plan restricted to it."""
+        part = split_module(model, [n for names in self.module_names for n in names])
+        self.other_stage_keys = frozenset(model.state_dict()) - frozenset(part.state_dict())
+        return part, part_plan(plan, part)
+
+    def build_schedule(self, part: nn.Module, device: torch.device | str,
+                       loss_fn: Callable[..., torch.Tensor], **loss_kwargs: Any) -> None:
+        """The ``PipelineStage`` of the parallelized ``part`` and torch's schedule over it.
+
+        ``loss_fn(output, target, token_count=..., **loss_kwargs)`` runs on the last stage.
+        """
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        modules = self.stage_modules(part)
+        stages = [PipelineStage(m, i, self.num_stages, torch.device(device), group=self.group)
+                  for m, i in zip(modules, self.stage_indices, strict=True)]
+        self.loss = _StepLoss(loss_fn, **loss_kwargs)
+        schedule_class = get_schedule_class(self.schedule_name)
+        try:
+            self.schedule = schedule_class(stages[0] if len(stages) == 1 else stages,
+                                           n_microbatches=self.n_microbatches, loss_fn=self.loss, scale_grads=False)
+        except ValueError as err:  # torch's own checks of the schedule (e.g. DualPipeV's microbatch count)
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={self.schedule_name!r} with "
+                             f"{self.n_microbatches} microbatches (training.local_batch_size / "
+                             f"pipeline_parallel_microbatch_size) and {self.num_stages} stages: {err}") from None
+        logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
+                    f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
+
+    def stage_modules(self, part: nn.Module) -> list[nn.Module]:
+        """The module each of this rank's stages runs: ``part`` itself for one stage a rank; for
+        several, one view of ``part`` per stage (:func:`stage_view`), built once (after the plan,
+        activation checkpointing and compile, before FSDP: each view is an FSDP root)."""
+        if len(self.stage_indices) == 1:
+            return [part]
+        if self._views is None:
+            self._views = [stage_view(part, names) for names in self.module_names]
+        return self._views
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         token_count: torch.Tensor) -> torch.Tensor:
+        """Run one local batch (``training.local_batch_size`` rows) through the schedule.
+
+        Returns the sum of its microbatch losses on the last stage, 0 elsewhere (no gradient).
+        """
+        assert self.loss is not None and self.schedule is not None
+        self.loss.token_count = token_count
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        self.schedule.step(*args, target=targets if self.is_last else None,
+                           losses=losses if self.is_last else None, return_outputs=False)
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=targets.device)
+        return torch.stack([x.detach().float() for x in losses]).sum()
+
+    def global_loss(self, loss: torch.Tensor, sum_over_batch: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        """The global mean loss on every rank: ``loss`` summed over the batch, then over ``pp``
+        (only the last stage holds a non-zero one)."""
+        total = sum_over_batch(loss.detach()).detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return float(total)
