@@ -55,12 +55,12 @@ from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
-from torchtitan_spmd.distributed.moe import ExpertLoad, set_force_load_balance, update_expert_bias
 from torchtitan_spmd.distributed.loss import (
     cross_entropy_loss,
     global_loss_value,
     global_token_count,
 )
+from torchtitan_spmd.distributed.moe import ExpertLoad, set_force_load_balance, update_expert_bias
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
 from torchtitan_spmd.distributed.representation import get_representation
