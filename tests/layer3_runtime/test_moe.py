@@ -185,3 +185,16 @@ def test_the_expert_bias_is_checkpointed_and_resumed(tmp_path: Path) -> None:
                                          model="qwen3", flavor="moe_tiny"), 2)
     assert resumed["start_step"] == 4
     assert resumed["log_lines"] == full["log_lines"][4:]
+
+
+def test_activation_checkpointing_recomputes_without_counting_twice() -> None:
+    """The recompute in backward (inside autograd's graph task) adds nothing to ``tokens_per_expert``."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe, weights = _moe_module()
+    x = torch.randn(2, 8, TINY.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(5),
+                    requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    _, counts = _moe(x.detach(), weights, "moe.", _arch(TINY), weights["moe.expert_bias"])
+    assert moe.tokens_per_expert.tolist() == counts.to(torch.float64).tolist()
+    assert x.grad is not None and moe.experts.w1.grad is not None

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
 __all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "grouped_mm_available", "top_k_by_index"]
 
@@ -45,18 +45,14 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s local value; a DTensor parameter's gradient is declared partial on every mesh axis.
+    """``t``'s local value (a DTensor's ``to_local()``, as upstream's experts do).
 
     The MoE body sees every token of this rank and no other (tensor and context parallelism are
-    setup errors under MoE, see ``qwen3.validate``), so a replicated weight's gradient from these
-    tokens is this rank's share of the global one: ``Partial`` on the data-parallel axes (and, on
-    the size-1 model axes, the same as ``Replicate``).
+    setup errors under MoE, see ``qwen3.validate_moe``), so a replicated weight's gradient from
+    these tokens is this rank's share of the global one, and FSDP's reduce-scatter sums the
+    shares (the FSDP 4 parity tests under ``full_dtensor`` show it).
     """
-    if not isinstance(t, DTensor):
-        return t
-    if not t.requires_grad:
-        return t.to_local()
-    return t.to_local(grad_placements=[Partial()] * t.device_mesh.ndim)
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def top_k_by_index(scores: torch.Tensor, k: int) -> torch.Tensor:
