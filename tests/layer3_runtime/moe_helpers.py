@@ -17,13 +17,21 @@ FLAVOR = "moe_tiny"
 MOE_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "single": (1, {"data_parallel_shard_degree": 1}),
     "fsdp4": (4, {"data_parallel_shard_degree": 4}),
+    # HSDP 2 x 2, two gradient-accumulation microbatches, selective activation checkpointing
+    "hsdp_accum_ac": (4, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
 }
+
+#: sequences per step of each layout (the reference's global batch)
+GLOBAL_BATCH = {"single": LOCAL_BATCH, "fsdp4": 4 * LOCAL_BATCH, "hsdp_accum_ac": 8 * LOCAL_BATCH}
 
 
 def moe_config(backend: str, layout: str, **debug: Any) -> JobConfig:
     """The parity harness's deterministic fp32 config (no AC) with the ``moe_tiny`` flavour, 6 steps."""
     cfg = job_config(backend, MOE_LAYOUTS[layout][1], model="qwen3", steps=STEPS, **debug)
     cfg.model.flavor = FLAVOR
+    if layout == "hsdp_accum_ac":
+        cfg.training.global_batch_size = GLOBAL_BATCH[layout]
+        cfg.activation_checkpoint.mode = "selective"
     return cfg
 
 
@@ -40,8 +48,7 @@ def moe_reference(global_batch: int) -> tuple[tuple[float, float], ...]:
 def check_moe_parity(got: list[tuple[Any, ...]], layout: str) -> tuple[float, float]:
     """Loss within ``TOL`` and gradient norm within ``NORM_TOL`` of the reference at every step, and it
     trains; returns the largest relative differences."""
-    world, _ = MOE_LAYOUTS[layout]
-    ref = moe_reference(LOCAL_BATCH * world)
+    ref = moe_reference(GLOBAL_BATCH[layout])
     loss, norm = [g[0] for g in got], [g[1] for g in got]
     loss_diff, norm_diff = max_rel(loss, [r[0] for r in ref]), max_rel(norm, [r[1] for r in ref])
     assert loss_diff < TOL, (loss, ref)
