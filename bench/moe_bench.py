@@ -27,19 +27,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._inductor  # noqa: E402,F401  (imported once in the parent, not per rank)
+from feature_bench import _read_kib  # noqa: E402  (this folder: the peak RSS reader)
 
 import torchtitan_spmd.train  # noqa: E402,F401
 from torchtitan_spmd.launcher import run_forked  # noqa: E402
 from torchtitan_spmd.models import qwen3  # noqa: E402
 from torchtitan_spmd.models.qwen3 import config_registry  # noqa: E402
-
-
-def _read_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _cost_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
