@@ -34,7 +34,7 @@ __all__ = [
 #: (320 ids). ``debugmodel`` (6.07M parameters) has heads twice as wide as
 #: ``dim / n_heads``; ``tiny`` is for fast tests. The mixture-of-experts flavours:
 #: ``debugmodel_moe``, upstream's (8 layers, 64 experts of width 768, top-8, softmax scores,
-#: normalised; 305M parameters, 27M active per token), and ``moe_tiny`` (2 layers, 8 experts,
+#: normalised; 315M parameters, 51M active per token), and ``moe_tiny`` (2 layers, 8 experts,
 #: top-2) for fast tests.
 FLAVORS: dict[str, Qwen3Config] = {
     "debugmodel": Qwen3Config(
