@@ -33,7 +33,8 @@ def test_moe_parity_with_the_reference(backend: str, layout: str) -> None:
 @pytest.mark.backend("default")
 def test_moe_in_bf16_mixed_precision_stays_near_the_reference() -> None:
     """FSDP 4 with bf16 parameters (FSDP2's policy; fp32 reduce): the router scores in fp32, the
-    experts in bf16; 3 steps within 1e-3 of the float64 reference (measured: 4e-5)."""
+    experts in bf16; 3 steps within 2e-4 of the float64 reference (measured: 4e-5; with the
+    combine weights dropped: 1.0e-3)."""
     from moe_helpers import GLOBAL_BATCH, moe_reference
     from parity_helpers import max_rel
 
@@ -42,4 +43,4 @@ def test_moe_in_bf16_mixed_precision_stays_near_the_reference() -> None:
     cfg.training.steps = 3
     got = run_config(cfg, 4)
     ref = moe_reference(GLOBAL_BATCH["fsdp4"])[:3]
-    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < 1e-3
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < 2e-4
