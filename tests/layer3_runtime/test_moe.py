@@ -154,6 +154,7 @@ def _run_one(rank: int, world: int, cfg: JobConfig) -> list[str]:
         trainer.close()
 
 
+@pytest.mark.multiproc
 def test_the_step_log_has_tokens_per_expert_exactly_equal_when_forced() -> None:
     from torchtitan_spmd.launcher import run_forked
 
