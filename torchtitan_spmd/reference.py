@@ -20,6 +20,11 @@ What it takes from the project, and only as data:
   split the trainer does is what the comparison checks), each checked to be
   next-token pairs (:func:`global_batches`).
 
+Mixture-of-experts layers (qwen3's MoE flavours) are restated densely (:func:`_moe`): every
+expert on every token, weighted by a gate matrix that is zero off each token's chosen
+experts; the choice by pairwise comparison (:func:`_choose_experts`), not a sort; the expert
+biases updated after each step from the global batch's counts.
+
 Pure parts (:func:`forward`, :func:`lr_factor`, :func:`train`) import torch only.
 """
 
@@ -40,6 +45,8 @@ __all__ = [
     "ADAMW_BETAS",
     "ARCHITECTURES",
     "Architecture",
+    "BIAS",
+    "MoEArchitecture",
     "checkpoint_weights",
     "forward",
     "global_batches",
@@ -48,6 +55,9 @@ __all__ = [
     "run_reference",
     "train",
 ]
+
+#: The name ending of a layer's MoE expert bias (state: in the weights, not trained).
+BIAS = "moe.expert_bias"
 
 #: AdamW's betas, as torchtitan configures them (the config has no field for them).
 ADAMW_BETAS: tuple[float, float] = (0.9, 0.95)
@@ -66,6 +76,21 @@ class Architecture:
     head_dim: int
     norm_eps: float
     rope_theta: float
+    moe: MoEArchitecture | None = None
+    """Mixture-of-experts feed-forwards (None: dense)."""
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """The numbers and switches of a mixture-of-experts feed-forward (see :func:`_moe`)."""
+
+    num_experts: int
+    top_k: int
+    score_func: Literal["softmax", "sigmoid"]
+    route_norm: bool
+    route_scale: float
+    load_balance_coeff: float | None
+    force_load_balance: bool = False
 
 
 #: Family name -> (RoPE pairing, QK norm). The numbers come from the family's flavour.
@@ -113,14 +138,69 @@ def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch
     return out @ w[prefix + "wo.weight"].T
 
 
+def _choose_experts(key: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, E]`` bool: expert ``e`` is one of token ``t``'s ``k`` choices when fewer than ``k``
+    experts rank above it; ``j`` ranks above ``e`` with a larger key, or an equal key and a
+    lower index (ties go to the lower expert index)."""
+    idx = torch.arange(key.shape[-1])
+    ki, kj = key[:, :, None], key[:, None, :]  # [T, e, 1] against [T, 1, j]
+    above = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))
+    return above.sum(-1) < k
+
+
+def _moe(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, moe: MoEArchitecture,
+         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixture of experts on ``x`` ``[batch, seq, dim]``, and the tokens each expert got ``[E]``.
+
+    Written densely: every expert runs on every token, and each output is the sum over the
+    experts of the token's gate (zero for experts it did not choose) times the expert's output.
+    Scores: ``softmax`` (``exp(l - max) / sum``) or ``sigmoid`` of the router's logits; choice:
+    the ``top_k`` largest of ``scores + bias`` (:func:`_choose_experts`), or round-robin
+    ``(t * top_k + j) % E`` when forced; gates: the chosen scores, normalised to sum 1 with
+    ``route_norm``, times ``route_scale``.
+    """
+    bsz, seq, dim = x.shape
+    xt = x.reshape(bsz * seq, dim)
+    logits = xt @ w[prefix + "router.gate.weight"].T
+    if moe.score_func == "softmax":
+        e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+        scores = e / e.sum(dim=-1, keepdim=True)
+    else:
+        scores = 1.0 / (1.0 + torch.exp(-logits))
+    n_tokens, n_experts = scores.shape
+    if moe.force_load_balance:
+        chosen = torch.zeros(n_tokens, n_experts, dtype=torch.bool)
+        for t in range(n_tokens):
+            for j in range(moe.top_k):
+                chosen[t, (t * moe.top_k + j) % n_experts] = True
+    else:
+        key = scores.detach() if bias is None else scores.detach() + bias
+        chosen = _choose_experts(key, moe.top_k)
+    gates = torch.where(chosen, scores, torch.zeros_like(scores))
+    if moe.route_norm:
+        gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+    gates = gates * moe.route_scale
+    w1, w2, w3 = (w[prefix + f"experts.{n}"] for n in ("w1", "w2", "w3"))
+    out = torch.zeros_like(xt)
+    for ex in range(n_experts):
+        y = (F.silu(xt @ w1[ex].T) * (xt @ w3[ex].T)) @ w2[ex].T
+        out = out + gates[:, ex : ex + 1] * y
+    return out.view(bsz, seq, dim), chosen.sum(dim=0)
+
+
 def _layer_count(weights: Mapping[str, torch.Tensor]) -> int:
     return len({name.split(".")[1] for name in weights if name.startswith("layers.")})
 
 
-def _expected_names(n_layers: int, qk_norm: bool) -> set[str]:
+def _expected_names(n_layers: int, qk_norm: bool, moe: MoEArchitecture | None = None) -> set[str]:
     names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
-    per_layer = ["attention_norm.weight", "ffn_norm.weight", *(f"attention.{m}.weight" for m in "wq wk wv wo".split()),
-                 *(f"feed_forward.{m}.weight" for m in ("w1", "w2", "w3"))]
+    per_layer = ["attention_norm.weight", "ffn_norm.weight", *(f"attention.{m}.weight" for m in "wq wk wv wo".split())]
+    if moe is None:
+        per_layer += [f"feed_forward.{m}.weight" for m in ("w1", "w2", "w3")]
+    else:
+        per_layer += ["moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3"]
+        if moe.load_balance_coeff is not None:
+            per_layer.append(BIAS)
     if qk_norm:
         per_layer += ["attention.q_norm.weight", "attention.k_norm.weight"]
     return names | {f"layers.{i}.{p}" for i in range(n_layers) for p in per_layer}
@@ -128,18 +208,21 @@ def _expected_names(n_layers: int, qk_norm: bool) -> set[str]:
 
 def _check_names(weights: Mapping[str, torch.Tensor], arch: Architecture) -> int:
     n_layers = _layer_count(weights)
-    expected = _expected_names(n_layers, arch.qk_norm)
+    expected = _expected_names(n_layers, arch.qk_norm, arch.moe)
     if set(weights) != expected:
         raise ValueError(f"reference: the weights do not match the architecture: missing "
                          f"{sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}.")
     return n_layers
 
 
-def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Architecture) -> torch.Tensor:
+def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Architecture,
+            expert_counts: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Logits ``[batch, seq, vocab]`` of the pre-norm decoder for int64 ``tokens`` ``[batch, seq]``.
 
     ``h = x + attn(rms(x)); x' = h + w2(silu(w1 rms(h)) * w3 rms(h))``, causal softmax attention
     with grouped key/value heads, RoPE on queries and keys, a final RMSNorm and the output matrix.
+    With ``arch.moe`` the feed-forward is :func:`_moe` (its bias: ``weights``' ``moe.expert_bias``),
+    and each layer's tokens per expert are appended to ``expert_counts`` when given.
     """
     n_layers = _check_names(weights, arch)
     h = weights["tok_embeddings.weight"][tokens]
@@ -148,6 +231,12 @@ def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Arc
         h = h + _attention(_rms_norm(h, weights[p + "attention_norm.weight"], arch.norm_eps), weights,
                            p + "attention.", arch)
         x = _rms_norm(h, weights[p + "ffn_norm.weight"], arch.norm_eps)
+        if arch.moe is not None:
+            out, counts = _moe(x, weights, p + "moe.", arch.moe, weights.get(p + BIAS))
+            h = h + out
+            if expert_counts is not None:
+                expert_counts.append(counts)
+            continue
         gate = F.silu(x @ weights[p + "feed_forward.w1.weight"].T) * (x @ weights[p + "feed_forward.w3.weight"].T)
         h = h + gate @ weights[p + "feed_forward.w2.weight"].T
     return _rms_norm(h, weights["norm.weight"], arch.norm_eps) @ weights["output.weight"].T
@@ -174,18 +263,22 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
 
     ``torch.optim.AdamW`` (the single-tensor implementation) over every tensor, the
     learning rate set each step from :func:`lr_factor`, and gradients scaled by
-    ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``.
+    ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. The MoE expert biases are
+    state, not parameters: after each optimizer step, each moves by
+    ``coeff * sign(mean(counts) - counts)`` minus that step's mean, from the tokens per
+    expert of the whole global batch.
     """
-    params = {name: t.detach().to(dtype=dtype, device="cpu").clone().requires_grad_(True)
+    params = {name: t.detach().to(dtype=dtype, device="cpu").clone().requires_grad_(not name.endswith(BIAS))
               for name, t in weights.items()}
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+    opt = torch.optim.AdamW([p for p in params.values() if p.requires_grad], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                             foreach=False)
     records = []
     for step, (tokens, labels) in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
                                          min_lr_factor=min_lr_factor)
-        logits = forward(params, tokens, arch)
+        counts: list[torch.Tensor] = []
+        logits = forward(params, tokens, arch, counts)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
         grads = [p.grad for p in params.values() if p.grad is not None]
@@ -196,6 +289,12 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
                 g.mul_(scale)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if arch.moe is not None and arch.moe.load_balance_coeff is not None:
+            for i, count in enumerate(counts):
+                c = count.to(dtype)
+                step_e = arch.moe.load_balance_coeff * torch.sign(c.mean() - c)
+                with torch.no_grad():
+                    params[f"layers.{i}.{BIAS}"] += step_e - step_e.mean()
         records.append((float(loss.detach()), float(norm)))
     return records
 
@@ -266,8 +365,16 @@ def architecture(job_config: JobConfig, model_config: Any) -> Architecture:
         raise ValueError(f"reference: no reference for model.name={name!r}; it restates "
                          f"{', '.join(map(repr, ARCHITECTURES))}.")
     rope, qk_norm = ARCHITECTURES[name]
-    return Architecture(rope=rope, qk_norm=qk_norm, head_dim=int(model_config.head_dim),
-                        norm_eps=float(model_config.norm_eps), rope_theta=float(model_config.rope_theta))
+    moe = None
+    c = model_config
+    if int(getattr(c, "num_experts", 0)) > 0:
+        coeff = c.load_balance_coeff
+        moe = MoEArchitecture(num_experts=int(c.num_experts), top_k=int(c.top_k), score_func=c.score_func,
+                              route_norm=bool(c.route_norm), route_scale=float(c.route_scale),
+                              load_balance_coeff=None if coeff is None else float(coeff),
+                              force_load_balance=bool(job_config.debug.moe_force_load_balance))
+    return Architecture(rope=rope, qk_norm=qk_norm, head_dim=int(c.head_dim), norm_eps=float(c.norm_eps),
+                        rope_theta=float(c.rope_theta), moe=moe)
 
 
 def run_reference(job_config: JobConfig, *, global_batch: int,

@@ -60,6 +60,7 @@ from torchtitan_spmd.distributed.loss import (
     global_loss_value,
     global_token_count,
 )
+from torchtitan_spmd.distributed.moe import ExpertLoad, set_force_load_balance, update_expert_bias
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
 from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel, states_of
@@ -92,13 +93,20 @@ class StepRecord:
     lr: float
     tokens_per_s: float
     peak_memory_mib: float
+    #: MoE models: the step's fewest and most tokens of any expert (all ranks, all blocks).
+    expert_load: ExpertLoad | None = None
 
     def log_line(self) -> str:
-        """The per-step log line; scripts parse ``step: <n>`` and ``loss: <float>``."""
-        return (
+        """The per-step log line; scripts parse ``step: <n>`` and ``loss: <float>``.
+
+        MoE models add ``tokens/expert: <min>-<max>``."""
+        line = (
             f"step: {self.step}  loss: {self.loss:.6f}  grad_norm: {self.grad_norm:.4f}  "
             f"lr: {self.lr:.2e}  tps: {self.tokens_per_s:.0f}  memory: {self.peak_memory_mib:.1f}MiB"
         )
+        if self.expert_load is not None:
+            line += f"  tokens/expert: {self.expert_load.min}-{self.expert_load.max}"
+        return line
 
 
 def build_lr_lambda(warmup_steps: int, total_steps: int, min_lr_factor: float):  # noqa: ANN201
@@ -339,6 +347,7 @@ class Trainer:
         rep, cfg = self.representation, self.job_config
         with torch.device("meta"):
             model = self.model_spec.build(self.model_config)
+        set_force_load_balance(model, cfg.debug.moe_force_load_balance)
         plan = self.plan
         #: This rank's pipeline stage and schedule (None without pipeline parallelism).
         self.pipeline = PipelineParallel.from_config(cfg, self.parallel_dims, model)
@@ -398,6 +407,7 @@ class Trainer:
                                     stage_group=pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        expert_load = update_expert_bias(self.model, rep)  # MoE load balancing (no-op for dense models)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = sum(losses[1:], losses[0])
@@ -407,7 +417,7 @@ class Trainer:
         return StepRecord(
             step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,
             tokens_per_s=tokens.numel() / elapsed if elapsed > 0 else float("inf"),
-            peak_memory_mib=_peak_memory_mib(self.device_type),
+            peak_memory_mib=_peak_memory_mib(self.device_type), expert_load=expert_load,
         )
 
     def _count_typechecked_step(self, step: int) -> None:

@@ -23,8 +23,11 @@ from torchtitan_spmd.models import (
 #: family -> (model class name, config_registry functions)
 JOBS = {
     "llama3": ("Transformer", ("llama3_debugmodel", "llama3_tiny")),
-    "qwen3": ("Qwen3Model", ("qwen3_debugmodel", "qwen3_tiny")),
+    "qwen3": ("Qwen3Model", ("qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny")),
 }
+
+#: jobs whose flavour is not the job's name after the family (upstream's names)
+JOB_FLAVORS = {"qwen3_moe_debug": "debugmodel_moe"}
 
 
 def test_builtin_families() -> None:
@@ -39,7 +42,7 @@ def test_unknown_family_and_flavor_name_the_valid_ones() -> None:
                                          r"Did you mean 'llama3'\?"):
         get_model_spec("llama")
     with pytest.raises(ValueError, match=r"unknown model.flavor 'debug' for model.name='qwen3'; "
-                                         r"valid flavors: debugmodel, tiny"):
+                                         r"valid flavors: debugmodel, debugmodel_moe, moe_tiny, tiny"):
         get_model_spec("qwen3").model_config("debug")
 
 
@@ -92,7 +95,7 @@ def test_config_registry_jobs(family: str) -> None:
     for name in names:
         cfg = getattr(module, name)()
         assert isinstance(cfg, JobConfig)
-        assert (cfg.model.name, cfg.model.flavor) == (family, name.split("_", 1)[1])
+        assert (cfg.model.name, cfg.model.flavor) == (family, JOB_FLAVORS.get(name, name.split("_", 1)[1]))
         get_model_spec(cfg.model.name).model_config(cfg.model.flavor)  # a valid flavour
 
 

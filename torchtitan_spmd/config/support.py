@@ -78,7 +78,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 also_allowed=("for-loop", "foreach")),
     *_rows(CommConfig, "communication modes other than 'default'", "mode"),
     *_rows(DebugConfig, "warn-only deterministic mode", "deterministic_warn_only"),
-    *_rows(DebugConfig, "MoE load balancing (no MoE model is built in)", "moe_force_load_balance"),
     *_rows(DebugConfig, "autograd anomaly detection", "detect_anomaly"),
     *_rows(DebugConfig, "batch-invariant mode", "batch_invariant"),
 )

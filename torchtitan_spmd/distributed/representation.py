@@ -188,8 +188,9 @@ class TensorRepresentation(ABC):
             ))
         if pd.ep_enabled:
             raise ValueError(describe_unsupported(
-                name, "expert parallelism for dense models",
-                "set parallelism.expert_parallel_degree=1 (EP needs an MoE model).",
+                name, "expert parallelism (not implemented yet)",
+                "set parallelism.expert_parallel_degree=1: the MoE flavours (qwen3 'moe_tiny', 'debugmodel_moe') "
+                "run without it, their experts replicated and FSDP-sharded.",
             ))
 
     def require_torch(self, minimum: str, what: str, needs: str, instead: str, *,

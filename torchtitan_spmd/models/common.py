@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INIT_STD",
+    "ZERO_INIT",
     "Decoder",
     "DecoderBlock",
     "FeedForward",
@@ -56,6 +57,9 @@ __all__ = [
 
 #: Standard deviation of the normal init of embeddings and linears.
 INIT_STD = 0.02
+
+#: Name endings of the tensors that start at zero: the MoE load-balancing state.
+ZERO_INIT: tuple[str, ...] = ("moe.expert_bias", "moe.tokens_per_expert")
 
 
 def check_positive_ints(owner: str, values: Mapping[str, object]) -> None:
@@ -226,21 +230,29 @@ class FeedForward(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
-    ``attention(x, rope_cos, rope_sin)`` is the family's attention module.
+    ``attention(x, rope_cos, rope_sin)`` is the family's attention module. With ``moe`` (a
+    :class:`~torchtitan_spmd.models.moe.MoE`) the block has it, named ``moe`` as upstream, in
+    place of the dense ``feed_forward`` (``moe_enabled``).
     """
 
-    def __init__(self, layer_id: int, attention: nn.Module, *, dim: int, hidden_dim: int, norm_eps: float) -> None:
+    def __init__(self, layer_id: int, attention: nn.Module, *, dim: int, hidden_dim: int, norm_eps: float,
+                 moe: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(dim, eps=norm_eps)
         self.attention = attention
         self.ffn_norm = RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = FeedForward(dim, hidden_dim)
+        self.moe_enabled = moe is not None
+        if moe is not None:
+            self.moe = moe
+        else:
+            self.feed_forward = FeedForward(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[batch, seq, dim]``."""
         h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -315,21 +327,25 @@ class Decoder(nn.Module):
 
         ``INIT_STD`` everywhere, except the residual-stream projections
         ``attention.wo`` and ``feed_forward.w2``, scaled by ``1 / sqrt(2 * n_layers)``
-        (GPT-2 style depth scaling).
+        (GPT-2 style depth scaling); in an MoE block, as upstream's qwen3, the router's gate
+        and the experts' ``w2`` and ``w3`` are depth-scaled too (``w1``: ``INIT_STD``).
         """
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "moe.router.gate.weight",
+                          "moe.experts.w2", "moe.experts.w3")):
             return INIT_STD / math.sqrt(2 * self.config.n_layers)  # type: ignore[attr-defined]
         return INIT_STD
 
     def initial_value(self, fqn: str, shape: Sequence[int], seed: int) -> torch.Tensor:
         """The full initial value (CPU, float32) of parameter or buffer ``fqn`` of full ``shape``.
 
-        Vectors (norm weights) are ones; matrices ``normal(0, init_std(fqn))`` from a
+        Vectors (norm weights) are ones, the MoE state (``ZERO_INIT``) zeros; matrices ``normal(0, init_std(fqn))`` from a
         ``torch.Generator`` seeded with :func:`param_seed(seed, fqn) <param_seed>`;
         the RoPE buffers their tables. Depends only on ``seed``, ``fqn`` and the config.
         """
         if fqn in ("rope_cos", "rope_sin"):
             return self._rope_tables()[0 if fqn == "rope_cos" else 1]
+        if fqn.endswith(ZERO_INIT):
+            return torch.zeros(shape, dtype=torch.float32)
         if len(shape) == 1:
             return torch.ones(shape, dtype=torch.float32)
         gen = torch.Generator(device="cpu")

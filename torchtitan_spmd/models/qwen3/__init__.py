@@ -19,6 +19,7 @@ __all__ = [
     "Qwen3StateDictAdapter",
     "FLAVORS",
     "MODEL_SPEC",
+    "MOE_FLAVORS",
     "Qwen3Attention",
     "Qwen3Block",
     "Qwen3Config",
@@ -31,7 +32,10 @@ __all__ = [
 
 #: Named model sizes; the vocabulary matches :class:`torchtitan_spmd.data.Tokenizer`
 #: (320 ids). ``debugmodel`` (6.07M parameters) has heads twice as wide as
-#: ``dim / n_heads``; ``tiny`` is for fast tests.
+#: ``dim / n_heads``; ``tiny`` is for fast tests. The mixture-of-experts flavours:
+#: ``debugmodel_moe``, upstream's (8 layers, 64 experts of width 768, top-8, softmax scores,
+#: normalised; 315M parameters, 51M active per token), and ``moe_tiny`` (2 layers, 8 experts,
+#: top-2) for fast tests.
 FLAVORS: dict[str, Qwen3Config] = {
     "debugmodel": Qwen3Config(
         dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, vocab_size=320,
@@ -41,12 +45,53 @@ FLAVORS: dict[str, Qwen3Config] = {
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=192, vocab_size=320,
         norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=512,
     ),
+    "debugmodel_moe": Qwen3Config(
+        dim=256, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=768, vocab_size=320,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096,
+        num_experts=64, top_k=8, moe_hidden_dim=768, score_func="softmax", route_norm=True,
+    ),
+    "moe_tiny": Qwen3Config(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=192, vocab_size=320,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=512,
+        num_experts=8, top_k=2, moe_hidden_dim=64, score_func="softmax", route_norm=True,
+    ),
 }
+
+#: The flavours with mixture-of-experts blocks (named in setup errors).
+MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.moe_enabled)
+
+
+def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError for what this MoE slice does not run: tensor, context and pipeline parallelism, compile,
+    Hugging Face weights. (``debug.moe_force_load_balance`` on a dense model: the trainer's
+    :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
+    flavor = f"model.flavor={job_config.model.flavor!r}"
+    if not config.moe_enabled:
+        return
+    checks = {
+        "parallelism.tensor_parallel_degree": (parallel_dims.tp, "tensor parallelism"),
+        "parallelism.context_parallel_degree": (parallel_dims.cp, "context parallelism"),
+        "parallelism.pipeline_parallel_degree": (parallel_dims.pp, "pipeline parallelism"),
+    }
+    for field, (degree, what) in checks.items():
+        if degree > 1:
+            raise ValueError(f"{field}={degree}: {what} does not run with a mixture-of-experts model yet ({flavor}); "
+                             f"set {field}=1 (data parallelism, FSDP and HSDP, runs it).")
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ValueError(f"compile.enable with 'model' in compile.components does not run with a mixture-of-experts "
+                         f"model yet ({flavor}: data-dependent expert sizes); compile only 'loss', or turn it off.")
+    ckpt = job_config.checkpoint
+    for field in ("initial_load_in_hf", "last_save_in_hf"):
+        if getattr(ckpt, field):
+            raise ValueError(f"checkpoint.{field}=True: Hugging Face weights of a mixture-of-experts model are not "
+                             f"supported yet ({flavor}); use DCP checkpoints.")
 
 
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config`` evenly."""
+    """Raise ValueError when ``training.seq_len`` does not fit, tensor parallelism cannot shard ``config``
+    evenly, or the MoE flavours meet what they do not run yet (:func:`validate_moe`)."""
     check_seq_len(config.max_seq_len, job_config)
+    validate_moe(config, job_config, parallel_dims)
     check_tp_divisible({
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,

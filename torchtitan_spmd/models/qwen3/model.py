@@ -11,6 +11,7 @@ What sets it apart from ``llama3`` (the rest is the shared
     │   └── sdpa              ScaledDotProductAttention
     ├── ffn_norm              RMSNorm(dim)
     └── feed_forward          FeedForward(dim, hidden_dim): an explicit SwiGLU width
+        (or moe               MoE: with num_experts > 0, the mixture-of-experts flavours)
 
 - QK-norm: every query and key head is RMS-normalised over its ``head_dim``
   with a learned scale shared by all heads;
@@ -22,6 +23,7 @@ What sets it apart from ``llama3`` (the rest is the shared
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -31,6 +33,7 @@ from torchtitan_spmd.models.common import (
     GroupedQueryAttention,
     check_positive_ints,
 )
+from torchtitan_spmd.models.moe import MoE
 
 __all__ = ["Qwen3Attention", "Qwen3Block", "Qwen3Config", "Qwen3Model", "apply_rotary_emb_half"]
 
@@ -50,6 +53,16 @@ class Qwen3Config:
         norm_eps: epsilon of every RMSNorm (QK norms included).
         rope_theta: base of the rotary-embedding frequencies.
         max_seq_len: number of rows of the RoPE tables (longest sequence).
+        num_experts: 0 for the dense model; otherwise every block's feed-forward is a mixture
+            of this many experts (:class:`~torchtitan_spmd.models.moe.MoE`).
+        top_k: experts per token (MoE; at most ``num_experts``).
+        moe_hidden_dim: the SwiGLU width of one expert (MoE).
+        score_func: the router's score, ``"softmax"`` over the experts (qwen3, as upstream) or
+            ``"sigmoid"``.
+        route_norm: divide each token's chosen scores by their sum (qwen3: True).
+        route_scale: a factor on the gating weights.
+        load_balance_coeff: the expert-bias step of auxiliary-loss-free load balancing (None: no
+            bias, no balancing); upstream's default 1e-3.
     """
 
     dim: int = 256
@@ -62,8 +75,21 @@ class Qwen3Config:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 2048
+    num_experts: int = 0
+    top_k: int = 1
+    moe_hidden_dim: int = 0
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    load_balance_coeff: float | None = 1e-3
+
+    @property
+    def moe_enabled(self) -> bool:
+        """Whether the blocks are mixtures of experts (``num_experts > 0``)."""
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
+        self._check_moe()
         check_positive_ints("Qwen3Config", {
             n: getattr(self, n) for n in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                           "hidden_dim", "vocab_size", "max_seq_len")
@@ -78,6 +104,20 @@ class Qwen3Config:
             raise ValueError(f"Qwen3Config.norm_eps must be > 0, got {self.norm_eps!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"Qwen3Config.num_experts must be an int >= 0 (0: dense), got {self.num_experts!r}")
+        if not self.moe_enabled:
+            return
+        check_positive_ints("Qwen3Config", {"top_k": self.top_k, "moe_hidden_dim": self.moe_hidden_dim})
+        if self.top_k > self.num_experts:
+            raise ValueError(f"Qwen3Config.top_k={self.top_k} is larger than num_experts={self.num_experts}; "
+                             f"valid: 1 .. {self.num_experts}.")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"Qwen3Config.score_func={self.score_func!r}; valid: 'softmax', 'sigmoid'.")
+        if self.load_balance_coeff is not None and not self.load_balance_coeff > 0:
+            raise ValueError(f"Qwen3Config.load_balance_coeff must be > 0 or None, got {self.load_balance_coeff!r}")
 
 
 def apply_rotary_emb_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,8 +148,12 @@ class Qwen3Block(DecoderBlock):
     """The Qwen3 block: :class:`~torchtitan_spmd.models.common.DecoderBlock` with :class:`Qwen3Attention`."""
 
     def __init__(self, layer_id: int, config: Qwen3Config) -> None:
+        c = config
+        moe = (MoE(c.dim, c.moe_hidden_dim, c.num_experts, c.top_k, score_func=c.score_func,
+                   route_norm=c.route_norm, route_scale=c.route_scale, load_balance_coeff=c.load_balance_coeff)
+               if c.moe_enabled else None)
         super().__init__(layer_id, Qwen3Attention(config), dim=config.dim, hidden_dim=config.hidden_dim,
-                         norm_eps=config.norm_eps)
+                         norm_eps=config.norm_eps, moe=moe)
 
 
 class Qwen3Model(Decoder):

@@ -2,10 +2,13 @@
 
 The QK norms see the heads after the split, ``[batch, seq, heads/tp, head_dim]``
 (``S(2)@tp``, whether or not sequence parallelism is on), and normalise over the
-unsharded ``head_dim`` with a replicated scale: no collective.
+unsharded ``head_dim`` with a replicated scale: no collective. An MoE flavour's ``moe``
+takes the dense ``feed_forward``'s boundaries as a local region.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torchtitan_spmd.distributed.layout import SpmdLayout
 from torchtitan_spmd.distributed.plan import ModulePlan, ShardingPlan
@@ -20,8 +23,16 @@ def qwen3_plan(config: Qwen3Config | None = None, *, sequence_parallel: bool = T
                loss_parallel: bool = True) -> ShardingPlan:
     """The TP plan of :class:`~torchtitan_spmd.models.qwen3.model.Qwen3Model` (any flavour)."""
     qk_norm = ModulePlan(params={"weight": SpmdLayout()}, inputs=(HEADS,), output=HEADS)
-    return decoder_plan(
+    plan = decoder_plan(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         extra={"layers.*.attention.q_norm": qk_norm, "layers.*.attention.k_norm": qk_norm},
     )
+    if config is None or not config.moe_enabled:
+        return plan
+    # MoE blocks: the dense feed-forward's boundaries, the body a local region on this rank's
+    # tokens (weights replicated; tensor and context parallelism are setup errors under MoE).
+    dense = plan.modules["layers.*.feed_forward"]
+    modules = {k: v for k, v in plan.modules.items() if not k.startswith("layers.*.feed_forward")}
+    modules["layers.*.moe"] = ModulePlan(inputs=dense.inputs, output=dense.output, local_compute=True)
+    return dataclasses.replace(plan, modules=modules)

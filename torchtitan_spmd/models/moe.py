@@ -1,0 +1,171 @@
+"""Mixture of experts: a token-choice top-k router, grouped experts, auxiliary-loss-free load balancing.
+
+The module tree and names follow upstream torchtitan's ``MoE`` (a0c831c49), in the block
+where the dense ``feed_forward`` would be::
+
+    MoE  (layers.<i>.moe)
+    ├── router                TokenChoiceTopKRouter
+    │   └── gate              nn.Linear(dim, num_experts, bias=False)
+    ├── experts               GroupedExperts: w1 [E, hidden, dim], w2 [E, dim, hidden], w3 [E, hidden, dim]
+    ├── expert_bias           buffer [E], persistent (load balancing state, in checkpoints)
+    └── tokens_per_expert     buffer [E], not persistent (this step's counts)
+
+- Routing: ``scores = score_func(gate(x))`` in float32 (``softmax`` over the experts or
+  ``sigmoid``); the top ``top_k`` experts of ``scores + expert_bias`` are chosen, ties broken
+  by the lower expert index (a stable descending sort); the gating weights are the chosen
+  *unbiased* scores, divided by their sum when ``route_norm``, times ``route_scale``.
+- ``force_load_balance`` (``debug.moe_force_load_balance``): token ``t``'s ``j``-th choice is
+  expert ``(t * top_k + j) % num_experts``, as upstream; the weights are those experts' scores.
+- Experts: SwiGLU per expert on the tokens routed to it, ``w2(silu(w1 x) * w3 x)``, scaled by
+  the gating weight after the expert (upstream's ``score_before_experts=False``) and summed
+  back per token. ``torch._grouped_mm`` where it trains (CUDA, bfloat16), a loop over experts
+  otherwise (``torch._grouped_mm`` has no CPU backward in torch 2.14).
+- Load balancing (https://arxiv.org/abs/2408.15664, as upstream): each forward adds the
+  tokens each expert got to ``tokens_per_expert``; after the optimizer step the trainer
+  (:func:`torchtitan_spmd.distributed.moe.update_expert_bias`) sums them over the
+  data-parallel ranks and moves ``expert_bias`` by ``load_balance_coeff * sign(mean - count)``
+  (centred). The bias only picks experts; no gradient flows through it.
+
+The forward body runs on local tensors (the plan declares the block a local region): its
+parameters and buffers may be DTensors, which it reads through :func:`_local`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "grouped_mm_available", "top_k_by_index"]
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local value (a DTensor's ``to_local()``, as upstream's experts do).
+
+    The MoE body sees every token of this rank and no other (tensor and context parallelism are
+    setup errors under MoE, see ``qwen3.validate_moe``), so a replicated weight's gradient from
+    these tokens is this rank's share of the global one, and FSDP's reduce-scatter sums the
+    shares (the FSDP 4 parity tests under ``full_dtensor`` show it).
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def top_k_by_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of ``scores`` along the last dim, largest first; equal
+    scores in expert-index order (a stable descending sort, so routing is deterministic)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether :class:`GroupedExperts` uses ``torch._grouped_mm`` for ``x``: CUDA bfloat16 on sm90+
+    (where torch has the kernel and its backward); elsewhere it loops over the experts."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Each token picks its ``top_k`` experts; see the module docstring for the rule."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
+                 route_norm: bool = True, route_scale: float = 1.0) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.force_load_balance = False
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, top_k] float32, expert ids [T, top_k] int64)`` for tokens ``x`` ``[T, dim]``."""
+        logits = F.linear(x.float(), _local(self.gate.weight).float())
+        scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        if self.force_load_balance:
+            t = x.shape[0]
+            ids = torch.arange(t * self.top_k, device=x.device).view(t, self.top_k) % self.num_experts
+        else:
+            choice = scores if expert_bias is None else scores + expert_bias
+            ids = top_k_by_index(choice.detach(), self.top_k)
+        weights = scores.gather(-1, ids)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts as grouped weights ``[num_experts, ...]`` (nn.Linear's layout)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
+        """Each row of ``x`` ``[R, dim]`` through its expert: rows sorted by expert, ``counts[e]`` of
+        expert ``e``. ``grouped``: force ``torch._grouped_mm`` (True) or the loop (False);
+        None: :func:`grouped_mm_available`."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if grouped is None:
+            grouped = grouped_mm_available(x)
+        if grouped:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.to(x.dtype).transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.to(x.dtype).transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.to(x.dtype).transpose(-2, -1), offs=offs)
+        outs = []
+        for e, rows in enumerate(x.split(counts.tolist())):
+            outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        return torch.cat(outs)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t`` of ``x`` ``[T, dim]``.
+
+        ``counts``: tokens per expert (``bincount(ids)``). Dispatch: the ``T * top_k`` (token,
+        choice) pairs sorted by expert (stable); combine: each output row weighted and added to
+        its token.
+        """
+        k = ids.shape[1]
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        token = order // k
+        out = self.expert_outputs(x[token], counts)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward of a block: ``[batch, seq, dim] -> [batch, seq, dim]``."""
+
+    expert_bias: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
+                 route_norm: bool = True, route_scale: float = 1.0, load_balance_coeff: float | None = 1e-3) -> None:
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func=score_func, route_norm=route_norm,
+                                            route_scale=route_scale)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.load_balance_coeff = load_balance_coeff
+        if load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route every token of ``x`` to its experts and sum their weighted outputs."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        bias = _local(self.expert_bias) if self.expert_bias is not None else None
+        weights, ids = self.router(flat, bias)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.experts.num_experts)
+        # Counted once per forward: not again when activation checkpointing recomputes the
+        # block in backward (inside autograd's graph task), unlike upstream, which halves them.
+        if torch._C._current_graph_task_id() == -1:
+            with torch.no_grad():
+                _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
+        return self.experts(flat, weights, ids, counts).view(shape)
