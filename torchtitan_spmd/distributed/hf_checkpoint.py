@@ -29,7 +29,6 @@ Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from torchtitan_spmd._errors import MissingExtraError, require
+from torchtitan_spmd.models import replace_config
 from torchtitan_spmd.models.state_dict_adapter import FROM_HF_FLAVOR, HFConfigError
 
 if TYPE_CHECKING:
@@ -169,9 +169,7 @@ def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: 
     if config.vocab_size < vocab_size:
         raise HFConfigError(f"{where}: vocab_size={config.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} ids.")
-    if max_seq_len is not None and any(f.name == "max_seq_len" for f in dataclasses.fields(config)):
-        config = dataclasses.replace(config, max_seq_len=max_seq_len)
-    return config
+    return replace_config(config, max_seq_len=max_seq_len)
 
 
 # ====================================================================================== shards

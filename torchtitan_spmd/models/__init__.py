@@ -43,7 +43,19 @@ __all__ = [
     "get_model_spec",
     "model_families",
     "register_model_spec",
+    "replace_config",
 ]
+
+def replace_config(config: Any, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> Any:
+    """``config`` (a model config dataclass) with ``vocab_size`` and ``max_seq_len`` replaced
+    when given; ``max_seq_len`` only where the config has that field (the RoPE tables' rows)."""
+    changes: dict[str, int] = {}
+    if vocab_size is not None:
+        changes["vocab_size"] = vocab_size
+    if max_seq_len is not None and any(f.name == "max_seq_len" for f in dataclasses.fields(config)):
+        changes["max_seq_len"] = max_seq_len
+    return dataclasses.replace(config, **changes) if changes else config
+
 
 #: The families shipped with the library, each the package ``torchtitan_spmd.models.<name>``.
 BUILTIN_FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
@@ -90,13 +102,7 @@ class ModelSpec:
                 f"unknown model.flavor {flavor!r} for model.name={self.name!r}; valid flavors: "
                 f"{', '.join(sorted(self.flavors))}.{suggest(flavor, self.flavors)}"
             )
-        config = self.flavors[flavor]
-        changes: dict[str, int] = {}
-        if vocab_size is not None:
-            changes["vocab_size"] = vocab_size
-        if max_seq_len is not None and any(f.name == "max_seq_len" for f in dataclasses.fields(config)):
-            changes["max_seq_len"] = max_seq_len
-        return dataclasses.replace(config, **changes) if changes else config
+        return replace_config(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len)
 
     def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None,
                           max_seq_len: int | None = None) -> nn.Module:
