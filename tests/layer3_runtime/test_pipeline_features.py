@@ -1,0 +1,120 @@
+"""Layer 3: pipeline parallelism's features beyond the schedules, under ``default``, against the
+independent reference (``torchtitan_spmd/reference.py``: no pipeline code, float64).
+
+Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one launch
+(``pipeline_feature_helpers.run_cells``), the tiny models, 4 steps:
+
+- CSV schedules (``pipeline_parallel_schedule_csv``, torch's ``_PipelineScheduleRuntime``):
+  the shipped ``tests/assets/pp_schedules`` files, one stage a rank with full backwards and two
+  stages a rank with split (input / weight) backwards, match the reference; a CSV that is not a
+  schedule of the run is a setup error naming the field, the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from parity_helpers import NORM_TOL, TOL, max_rel, reference
+from pipeline_feature_helpers import SCHEDULES, STEPS, pp2, pp_config, run_cells
+
+from torchtitan_spmd.config import JobConfig
+
+pytestmark = pytest.mark.multiproc
+
+#: name -> the 4-rank config; all in one launch (the ``cells`` fixture)
+CELLS: dict[str, Callable[[Path], JobConfig]] = {
+    # upstream's abstract names size the stages: one a rank; two a rank, loop placement
+    "csv_single": lambda _: pp_config(pp2("PipelineScheduleSingle",
+                                          pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_1f1b.csv"))),
+    "csv_looped_zero_bubble": lambda _: pp_config(pp2(
+        "PipelineScheduleMulti", pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_looped_zero_bubble.csv"))),
+}
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Any, ...]]]:
+    """Every 4-rank case's per-step ``(loss, grad_norm, tokens/expert)``, one launch."""
+    root = tmp_path_factory.mktemp("pp-features")
+    return run_cells({name: build(root) for name, build in CELLS.items()}, 4)
+
+
+def _check_reference(got: list[tuple[Any, ...]], ref: tuple[tuple[float, float], ...]) -> None:
+    assert len(got) == len(ref) == STEPS
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
+    assert got[-1][0] < got[0][0] - 0.1  # it trains
+
+
+@pytest.mark.parametrize("cell", ["csv_single", "csv_looped_zero_bubble"])
+def test_a_csv_schedule_matches_the_reference(cells: dict[str, list[tuple[Any, ...]]], cell: str) -> None:
+    _check_reference(cells[cell], reference(4, steps=STEPS))
+
+
+def _fake_cfg(csv: str, schedule: str = "1F1B", ac: str = "none") -> JobConfig:
+    return JobConfig.from_dict({
+        "model": {"flavor": "tiny"},
+        "activation_checkpoint": {"mode": ac},
+        "training": {"steps": 1, "local_batch_size": 2, "seq_len": 16, "device": "cpu"},
+        "parallelism": {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                        "pipeline_parallel_schedule": schedule, "pipeline_parallel_schedule_csv": csv},
+    })
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("0F0,0X1,0B0,0B1\n1F0,1B0,1F1,1B1\n", ["Invalid action string: 0X1"]),
+        ("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n0F0\n", ["incorrect number of ranks - expected 2, actual 3"]),
+        ("", ["incorrect number of ranks - expected 2, actual 0"]),
+        ("0F0,0F1,0F2,0B0,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n", ["3", "microbatches for stage 0, expected 2"]),
+        ("0F0,0F1,0B0,0B1\n2F0,2B0,2F1,2B1\n", ["stage 2 does not exist"]),
+        ("0B0,0F0,0F1,0B1\n1F0,1B0,1F1,1B1\n", ["Full Backward for stage 0, microbatch 0 without first running "
+                                                "Forward"]),
+        # rank 0 waits for microbatch 0's gradient, rank 1 for microbatch 1's activations
+        ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", ["can't schedule sends/recvs"]),
+        # the rows swapped: the file puts stage 0 on pp rank 1
+        ("1F0,1B0,1F1,1B1\n0F0,0F1,0B0,0B1\n", ["places stage 0 on pp rank 1", "{0: 0, 1: 1}",
+                                                "pipeline_parallel_schedule"]),
+    ],
+    ids=["action", "rows", "empty", "microbatches", "stage", "backward_first", "deadlock", "placement"],
+)
+def test_a_csv_that_is_not_a_schedule_of_the_run_is_a_setup_error(
+        fake_pg: Callable[[int], None], tmp_path: Path, text: str, needles: list[str]) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    csv = tmp_path / "schedule.csv"
+    csv.write_text(text)
+    fake_pg(4)
+    with pytest.raises(ValueError) as err:
+        Trainer(_fake_cfg(str(csv)))
+    message = str(err.value)
+    assert message.startswith(f"parallelism.pipeline_parallel_schedule_csv={str(csv)!r}: "), message
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert "\n" not in message
+
+
+def test_csv_setup_errors_of_the_fields(fake_pg: Callable[[int], None], tmp_path: Path) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_schedule_csv='/no/such\.csv': no such file"):
+        Trainer(_fake_cfg("/no/such.csv"))
+    # split backwards (I, W) cannot run under selective activation checkpointing
+    zero_bubble = str(SCHEDULES / "pp2_looped_zero_bubble.csv")
+    with pytest.raises(ValueError, match="splits backwards in two.*activation_checkpoint.mode='selective'"):
+        Trainer(_fake_cfg(zero_bubble, "PipelineScheduleMulti", ac="selective"))
+    # the abstract classes only name the stage count with a CSV
+    with pytest.raises(ValueError, match="'PipelineScheduleMulti': not a schedule.*'GPipe'"):
+        Trainer(_fake_cfg("", "PipelineScheduleMulti"))
+    with pytest.raises(ValueError, match="'Nope': unknown schedule.*'PipelineScheduleSingle'"):
+        Trainer(_fake_cfg(zero_bubble, "Nope"))
+    # a CSV for the loop placement of two stages a rank, with the stages of a single-stage schedule
+    with pytest.raises(ValueError, match="stage 3 does not exist|stage 2 does not exist"):
+        Trainer(_fake_cfg(zero_bubble, "1F1B"))
+    trainer = Trainer(_fake_cfg(zero_bubble, "interleaved1f1b", ac="full"))  # a concrete name: its placement
+    assert trainer.pipeline is not None and trainer.pipeline.stage_indices == [0, 2]
+    assert type(trainer.pipeline.schedule).__name__ == "_PipelineScheduleRuntime"
