@@ -7,7 +7,11 @@ Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one la
 - CSV schedules (``pipeline_parallel_schedule_csv``, torch's ``_PipelineScheduleRuntime``):
   the shipped ``tests/assets/pp_schedules`` files, one stage a rank with full backwards and two
   stages a rank with split (input / weight) backwards, match the reference; a CSV that is not a
-  schedule of the run is a setup error naming the field, the file and what is wrong.
+  schedule of the run is a setup error naming the field, the file and what is wrong;
+- the seed checkpoint (``checkpoint.create_seed_checkpoint``, one process, no parallelism, as
+  upstream) loads under PP 2 (one stage a rank, and two a rank): the reference started from the
+  same checkpoint (its own DCP read) gives the same losses, different from the run's own seed's;
+  writing a seed under PP is the one-process error.
 """
 
 from __future__ import annotations
@@ -31,13 +35,52 @@ CELLS: dict[str, Callable[[Path], JobConfig]] = {
                                           pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_1f1b.csv"))),
     "csv_looped_zero_bubble": lambda _: pp_config(pp2(
         "PipelineScheduleMulti", pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_looped_zero_bubble.csv"))),
+    "seed_1f1b": lambda root: _from_seed(root, "1F1B"),
+    "seed_interleaved1f1b": lambda root: _from_seed(root, "Interleaved1F1B"),
 }
+
+#: The seed checkpoint's own debug.seed (the runs use the harness's 1234): other weights.
+SEED_SEED = 99
+
+
+def _seed_path(root: Path) -> Path:
+    return root / "seed" / "checkpoint" / "step-0"
+
+
+def _from_seed(root: Path, schedule: str) -> JobConfig:
+    cfg = pp_config(pp2(schedule))
+    cfg.job.dump_folder = str(root / f"from-seed-{schedule}")
+    cfg.checkpoint.enable, cfg.checkpoint.load_only = True, True
+    cfg.checkpoint.initial_load_path = str(_seed_path(root))
+    return cfg
+
+
+def _write_seed(rank: int, world: int, root: str) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    cfg = pp_config({"data_parallel_shard_degree": 1})
+    cfg.debug.seed = SEED_SEED
+    cfg.job.dump_folder = str(Path(root) / "seed")
+    cfg.checkpoint.enable, cfg.checkpoint.create_seed_checkpoint = True, True
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.run() == []
+    finally:
+        trainer.close()
 
 
 @pytest.fixture(scope="module")
-def cells(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Any, ...]]]:
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cells' folder (the seed checkpoint, the runs' dump folders)."""
+    return tmp_path_factory.mktemp("pp-features")
+
+
+@pytest.fixture(scope="module")
+def cells(root: Path) -> dict[str, list[tuple[Any, ...]]]:
     """Every 4-rank case's per-step ``(loss, grad_norm, tokens/expert)``, one launch."""
-    root = tmp_path_factory.mktemp("pp-features")
+    from torchtitan_spmd.launcher import run_forked
+
+    run_forked(_write_seed, 1, str(root), timeout_s=120)  # upstream: a seed is written by one process
     return run_cells({name: build(root) for name, build in CELLS.items()}, 4)
 
 
@@ -51,6 +94,30 @@ def _check_reference(got: list[tuple[Any, ...]], ref: tuple[tuple[float, float],
 @pytest.mark.parametrize("cell", ["csv_single", "csv_looped_zero_bubble"])
 def test_a_csv_schedule_matches_the_reference(cells: dict[str, list[tuple[Any, ...]]], cell: str) -> None:
     _check_reference(cells[cell], reference(4, steps=STEPS))
+
+
+@pytest.mark.parametrize("cell", ["seed_1f1b", "seed_interleaved1f1b"])
+def test_a_seed_checkpoint_written_without_pp_starts_a_pp_run(cells: dict[str, list[tuple[Any, ...]]],
+                                                                root: Path, cell: str) -> None:
+    from torchtitan_spmd.reference import run_reference
+
+    cfg = CELLS[cell](root)
+    ref = tuple(run_reference(cfg, global_batch=4))
+    assert abs(ref[0][0] - reference(4, steps=STEPS)[0][0]) > 1e-3  # the seed's weights are not the run's own
+    _check_reference(cells[cell], ref)
+
+
+def test_a_seed_checkpoint_under_pp_is_the_one_process_error(fake_pg: Callable[[int], None], tmp_path: Path) -> None:
+    from torchtitan_spmd.train import Trainer
+
+    fake_pg(4)
+    cfg = pp_config(pp2())
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.checkpoint.enable, cfg.checkpoint.create_seed_checkpoint = True, True
+    trainer = Trainer(cfg)
+    with pytest.raises(ValueError, match="create_seed_checkpoint needs one process.*this run has 4"):
+        trainer.run()
+    assert not (tmp_path / "checkpoint" / "step-0").exists()
 
 
 def _fake_cfg(csv: str, schedule: str = "1F1B", ac: str = "none") -> JobConfig:
