@@ -7,6 +7,7 @@ between them), so the cases share the forks and the imports.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,10 @@ def pp2(schedule: str = "1F1B", **fields: Any) -> dict[str, Any]:
             **fields}
 
 
-def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[Any, ...]]]:
+def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, Any]]:
+    import torch
+    from torch._dynamo.utils import counters
+
     from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
     from torchtitan_spmd.train import Trainer
 
@@ -44,23 +48,34 @@ def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[
         # A second trainer in the process: DTensor's propagation caches key on mesh equality
         # and would hand the first trainer's (equal) mesh objects to the second.
         clear_dtensor_sharding_caches()
+        torch._dynamo.reset()  # an earlier run's compiled code would be reused: count this run's graphs
+        graphs = counters["stats"]["unique_graphs"]
         trainer = Trainer(cfg)
         try:
-            out.append([(r.loss, r.grad_norm, None if r.expert_load is None else
-                         (r.expert_load.min, r.expert_load.max)) for r in trainer.run()])
+            records = [(r.loss, r.grad_norm, None if r.expert_load is None else
+                        (r.expert_load.min, r.expert_load.max)) for r in trainer.run()]
         finally:
             trainer.close()
+        out.append({"records": records, "graphs": counters["stats"]["unique_graphs"] - graphs})
     return out
 
 
-def run_cells(configs: dict[str, JobConfig], world: int, timeout_s: float = 600) -> dict[str, list[tuple[Any, ...]]]:
-    """Per config, the per-step ``(loss, grad_norm, tokens/expert min-max or None)``, which every rank
-    must log alike; all configs in one launch of ``world`` ranks."""
+@dataclass
+class Cell:
+    """One config's run: the per-step ``(loss, grad_norm, tokens/expert min-max or None)``, which
+    every rank logged alike, and how many graphs Dynamo captured on each rank."""
+
+    records: list[tuple[Any, ...]]
+    graphs: list[int]
+
+
+def run_cells(configs: dict[str, JobConfig], world: int, timeout_s: float = 600) -> dict[str, Cell]:
+    """Each config's :class:`Cell`, all configs in one launch of ``world`` ranks."""
     warm_parent()
     names = list(configs)
     per_rank = run_forked(_worker, world, [configs[n] for n in names], timeout_s=timeout_s)
-    for rank, records in enumerate(per_rank):
-        for name, mine, first in zip(names, records, per_rank[0], strict=True):
-            if mine != first:
-                raise AssertionError(f"{name}: rank {rank} logged {mine}, rank 0 logged {first}")
-    return dict(zip(names, per_rank[0], strict=True))
+    for rank, results in enumerate(per_rank):
+        for name, mine, first in zip(names, results, per_rank[0], strict=True):
+            if mine["records"] != first["records"]:
+                raise AssertionError(f"{name}: rank {rank} logged {mine['records']}, rank 0 logged {first['records']}")
+    return {name: Cell(per_rank[0][i]["records"], [r[i]["graphs"] for r in per_rank]) for i, name in enumerate(names)}

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from parity_helpers import NORM_TOL, TOL, max_rel, reference
-from pipeline_feature_helpers import SCHEDULES, STEPS, pp2, pp_config, run_cells
+from pipeline_feature_helpers import SCHEDULES, STEPS, Cell, pp2, pp_config, run_cells
 
 from torchtitan_spmd.config import JobConfig
 
@@ -36,11 +36,22 @@ CELLS: dict[str, Callable[[Path], JobConfig]] = {
     "csv_looped_zero_bubble": lambda _: pp_config(pp2(
         "PipelineScheduleMulti", pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_looped_zero_bubble.csv"))),
     "seed_1f1b": lambda root: _from_seed(root, "1F1B"),
+    # compile.backend aot_eager: Dynamo's and AOT autograd's graphs without inductor's C++ code
+    # generation (minutes a rank on 2 cores), as test_training_features.py
+    "compile_1f1b": lambda _: _compiled("1F1B", ["model", "loss"]),
+    "compile_interleaved1f1b": lambda _: _compiled("Interleaved1F1B", ["model"]),
+    "eager_interleaved1f1b": lambda _: pp_config(pp2("Interleaved1F1B")),
     "seed_interleaved1f1b": lambda root: _from_seed(root, "Interleaved1F1B"),
 }
 
 #: The seed checkpoint's own debug.seed (the runs use the harness's 1234): other weights.
 SEED_SEED = 99
+
+
+def _compiled(schedule: str, components: list[str]) -> JobConfig:
+    cfg = pp_config(pp2(schedule))
+    cfg.compile.enable, cfg.compile.backend, cfg.compile.components = True, "aot_eager", components
+    return cfg
 
 
 def _seed_path(root: Path) -> Path:
@@ -76,7 +87,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cells(root: Path) -> dict[str, list[tuple[Any, ...]]]:
+def cells(root: Path) -> dict[str, Cell]:
     """Every 4-rank case's per-step ``(loss, grad_norm, tokens/expert)``, one launch."""
     from torchtitan_spmd.launcher import run_forked
 
@@ -92,19 +103,40 @@ def _check_reference(got: list[tuple[Any, ...]], ref: tuple[tuple[float, float],
 
 
 @pytest.mark.parametrize("cell", ["csv_single", "csv_looped_zero_bubble"])
-def test_a_csv_schedule_matches_the_reference(cells: dict[str, list[tuple[Any, ...]]], cell: str) -> None:
-    _check_reference(cells[cell], reference(4, steps=STEPS))
+def test_a_csv_schedule_matches_the_reference(cells: dict[str, Cell], cell: str) -> None:
+    _check_reference(cells[cell].records, reference(4, steps=STEPS))
+
+
+@pytest.mark.parametrize(("cell", "eager"), [("compile_1f1b", "seed_1f1b"),
+                                             ("compile_interleaved1f1b", "eager_interleaved1f1b")])
+def test_compiled_stages_match_eager_and_the_reference(cells: dict[str, Cell], cell: str, eager: str) -> None:
+    got = cells[cell]
+    # tiny's stages on pp rank 0 / 1: [embedding, layers.0] / [layers.1, norm, output] (one a rank),
+    # [embedding], [layers.1] / [layers.0], [norm, output] (two a rank): a block on every rank,
+    # and the loss on the last stage's ranks (2, 3)
+    loss_graphs = 1 if "loss" in CELLS_COMPONENTS[cell] else 0
+    assert got.graphs == [1, 1, 1 + loss_graphs, 1 + loss_graphs], got.graphs
+    assert all(n == 0 for n in cells[eager].graphs), cells[eager].graphs
+    _check_reference(got.records, reference(4, steps=STEPS))
+    if eager == "eager_interleaved1f1b":  # the same run eager (the seed cells start from other weights)
+        assert max_rel([g[0] for g in got.records], [e[0] for e in cells[eager].records]) < COMPILE_TOL
+
+
+#: What each compile cell compiles.
+CELLS_COMPONENTS = {"compile_1f1b": ["model", "loss"], "compile_interleaved1f1b": ["model"]}
+#: Compiled against eager (test_training_features.py's bound).
+COMPILE_TOL = 1e-4
 
 
 @pytest.mark.parametrize("cell", ["seed_1f1b", "seed_interleaved1f1b"])
-def test_a_seed_checkpoint_written_without_pp_starts_a_pp_run(cells: dict[str, list[tuple[Any, ...]]],
+def test_a_seed_checkpoint_written_without_pp_starts_a_pp_run(cells: dict[str, Cell],
                                                                 root: Path, cell: str) -> None:
     from torchtitan_spmd.reference import run_reference
 
     cfg = CELLS[cell](root)
     ref = tuple(run_reference(cfg, global_batch=4))
     assert abs(ref[0][0] - reference(4, steps=STEPS)[0][0]) > 1e-3  # the seed's weights are not the run's own
-    _check_reference(cells[cell], ref)
+    _check_reference(cells[cell].records, ref)
 
 
 def test_a_seed_checkpoint_under_pp_is_the_one_process_error(fake_pg: Callable[[int], None], tmp_path: Path) -> None:
