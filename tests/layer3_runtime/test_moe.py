@@ -119,11 +119,9 @@ def _moe_cfg(backend: str = "default", **overrides: dict) -> JobConfig:
      ["parallelism.tensor_parallel_degree=2", "mixture-of-experts", "tensor_parallel_degree=1"]),
     ({"parallelism": {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "spmd_backend": "full_dtensor"}},
      ["parallelism.context_parallel_degree=2", "mixture-of-experts"]),
-    ({"parallelism": {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2}},
-     ["parallelism.pipeline_parallel_degree=2", "mixture-of-experts"]),
     ({"compile": {"enable": True}}, ["compile.enable", "mixture-of-experts", "'loss'"]),
     ({"checkpoint": {"enable": True, "last_save_in_hf": True}}, ["checkpoint.last_save_in_hf", "mixture-of-experts"]),
-], ids=["ep", "tp", "cp", "pp", "compile", "hf"])
+], ids=["ep", "tp", "cp", "compile", "hf"])
 def test_what_moe_does_not_run_yet_fails_at_setup(fake_pg: Callable[[int], None], overrides: dict,
                                                   needles: list[str]) -> None:
     from torchtitan_spmd.train import Trainer

@@ -11,7 +11,12 @@ Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one la
 - the seed checkpoint (``checkpoint.create_seed_checkpoint``, one process, no parallelism, as
   upstream) loads under PP 2 (one stage a rank, and two a rank): the reference started from the
   same checkpoint (its own DCP read) gives the same losses, different from the run's own seed's;
-  writing a seed under PP is the one-process error.
+  writing a seed under PP is the one-process error;
+- ``compile.enable`` per stage part (``aot_eager``): Dynamo captures each rank's blocks and the
+  last stage's loss; the losses are the reference's and, two stages a rank, eager's within 1e-4;
+- MoE (qwen3 ``moe_tiny``, no EP) under PP 2 x FSDP 2, one stage a rank, two, and a stage
+  holding no MoE block: the reference's losses, and the logged tokens per expert (every stage's
+  blocks pooled) those of FSDP 4 without PP on the same global batch, on every rank.
 """
 
 from __future__ import annotations
@@ -41,11 +46,21 @@ CELLS: dict[str, Callable[[Path], JobConfig]] = {
     "compile_1f1b": lambda _: _compiled("1F1B", ["model", "loss"]),
     "compile_interleaved1f1b": lambda _: _compiled("Interleaved1F1B", ["model"]),
     "eager_interleaved1f1b": lambda _: pp_config(pp2("Interleaved1F1B")),
+    "moe_1f1b": lambda _: _moe(pp2("1F1B")),
+    "moe_interleaved1f1b": lambda _: _moe(pp2("Interleaved1F1B")),
+    # pp rank 1 holds no MoE block
+    "moe_blockless_stage": lambda _: _moe(pp2("1F1B", module_fqns_per_model_part=[
+        ["tok_embeddings", "layers.0", "layers.1"], ["norm", "output"]])),
+    "moe_fsdp4": lambda _: _moe({"data_parallel_shard_degree": 4}, local_batch=1),
     "seed_interleaved1f1b": lambda root: _from_seed(root, "Interleaved1F1B"),
 }
 
 #: The seed checkpoint's own debug.seed (the runs use the harness's 1234): other weights.
 SEED_SEED = 99
+
+
+def _moe(parallelism: dict[str, Any], local_batch: int = 2) -> JobConfig:
+    return pp_config(parallelism, local_batch=local_batch, model="qwen3", flavor="moe_tiny")
 
 
 def _compiled(schedule: str, components: list[str]) -> JobConfig:
@@ -150,6 +165,17 @@ def test_a_seed_checkpoint_under_pp_is_the_one_process_error(fake_pg: Callable[[
     with pytest.raises(ValueError, match="create_seed_checkpoint needs one process.*this run has 4"):
         trainer.run()
     assert not (tmp_path / "checkpoint" / "step-0").exists()
+
+
+@pytest.mark.parametrize("cell", ["moe_1f1b", "moe_interleaved1f1b", "moe_blockless_stage"])
+def test_moe_under_pp_matches_the_reference_and_logs_every_stages_load(cells: dict[str, Cell], cell: str) -> None:
+    from torchtitan_spmd.reference import run_reference
+
+    ref = tuple(run_reference(_moe({"data_parallel_shard_degree": 1}, local_batch=4), global_batch=4))
+    _check_reference(cells[cell].records, ref)
+    without_pp = [r[2] for r in cells["moe_fsdp4"].records]
+    assert all(load is not None for load in without_pp), without_pp
+    assert [r[2] for r in cells[cell].records] == without_pp  # every rank logged it (run_cells)
 
 
 def _fake_cfg(csv: str, schedule: str = "1F1B", ac: str = "none") -> JobConfig:

@@ -62,7 +62,7 @@ MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.mo
 
 
 def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what this MoE slice does not run: tensor, context and pipeline parallelism, compile,
+    """Raise ValueError for what this MoE slice does not run: tensor and context parallelism, compile,
     Hugging Face weights. (``debug.moe_force_load_balance`` on a dense model: the trainer's
     :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
     flavor = f"model.flavor={job_config.model.flavor!r}"
@@ -71,7 +71,6 @@ def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: Para
     checks = {
         "parallelism.tensor_parallel_degree": (parallel_dims.tp, "tensor parallelism"),
         "parallelism.context_parallel_degree": (parallel_dims.cp, "context parallelism"),
-        "parallelism.pipeline_parallel_degree": (parallel_dims.pp, "pipeline parallelism"),
     }
     for field, (degree, what) in checks.items():
         if degree > 1:
