@@ -16,7 +16,8 @@ Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one la
   last stage's loss; the losses are the reference's and, two stages a rank, eager's within 1e-4;
 - MoE (qwen3 ``moe_tiny``, no EP) under PP 2 x FSDP 2, one stage a rank, two, and a stage
   holding no MoE block: the reference's losses, and the logged tokens per expert (every stage's
-  blocks pooled) those of FSDP 4 without PP on the same global batch, on every rank.
+  blocks pooled) those of FSDP 4 without PP on the same global batch, on every rank;
+- the 4-D cell on 8 ranks: PP 2 x FSDP 2 x TP 2 (+ SP), 1F1B, on the reference (its own launch).
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ def test_moe_under_pp_matches_the_reference_and_logs_every_stages_load(cells: di
     without_pp = [r[2] for r in cells["moe_fsdp4"].records]
     assert all(load is not None for load in without_pp), without_pp
     assert [r[2] for r in cells[cell].records] == without_pp  # every rank logged it (run_cells)
+
+
+def test_pp2_fsdp2_tp2_on_eight_ranks_matches_the_reference() -> None:
+    got = run_cells({"pp2_fsdp2_tp2": pp_config(pp2("1F1B", tensor_parallel_degree=2))}, 8)["pp2_fsdp2_tp2"]
+    _check_reference(got.records, reference(4, steps=STEPS))  # 2 data-parallel ranks x 2 rows
 
 
 def _fake_cfg(csv: str, schedule: str = "1F1B", ac: str = "none") -> JobConfig:
