@@ -6,8 +6,9 @@ Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one la
 
 - CSV schedules (``pipeline_parallel_schedule_csv``, torch's ``_PipelineScheduleRuntime``):
   the shipped ``tests/assets/pp_schedules`` files, one stage a rank with full backwards and two
-  stages a rank with split (input / weight) backwards, match the reference; a CSV that is not a
-  schedule of the run is a setup error naming the field, the file and what is wrong;
+  stages a rank with split (input / weight) backwards, and with gradient accumulation, match the
+  reference; a CSV that is not a schedule of the run is a setup error naming the field, the file
+  and what is wrong;
 - the seed checkpoint (``checkpoint.create_seed_checkpoint``, one process, no parallelism, as
   upstream) loads under PP 2 (one stage a rank, and two a rank): the reference started from the
   same checkpoint (its own DCP read) gives the same losses, different from the run's own seed's;
@@ -41,6 +42,9 @@ CELLS: dict[str, Callable[[Path], JobConfig]] = {
                                           pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_1f1b.csv"))),
     "csv_looped_zero_bubble": lambda _: pp_config(pp2(
         "PipelineScheduleMulti", pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_looped_zero_bubble.csv"))),
+    # two gradient-accumulation steps (global 8 = 2 rows x 2 data-parallel ranks x 2): two schedule runs a step
+    "csv_single_accumulation": lambda _: pp_config(pp2(
+        "1F1B", pipeline_parallel_schedule_csv=str(SCHEDULES / "pp2_1f1b.csv")), global_batch=8),
     "seed_1f1b": lambda root: _from_seed(root, "1F1B"),
     # compile.backend aot_eager: Dynamo's and AOT autograd's graphs without inductor's C++ code
     # generation (minutes a rank on 2 cores), as test_training_features.py
@@ -118,9 +122,10 @@ def _check_reference(got: list[tuple[Any, ...]], ref: tuple[tuple[float, float],
     assert got[-1][0] < got[0][0] - 0.1  # it trains
 
 
-@pytest.mark.parametrize("cell", ["csv_single", "csv_looped_zero_bubble"])
-def test_a_csv_schedule_matches_the_reference(cells: dict[str, Cell], cell: str) -> None:
-    _check_reference(cells[cell].records, reference(4, steps=STEPS))
+@pytest.mark.parametrize(("cell", "global_batch"), [("csv_single", 4), ("csv_looped_zero_bubble", 4),
+                                                    ("csv_single_accumulation", 8)])
+def test_a_csv_schedule_matches_the_reference(cells: dict[str, Cell], cell: str, global_batch: int) -> None:
+    _check_reference(cells[cell].records, reference(global_batch, steps=STEPS))
 
 
 @pytest.mark.parametrize(("cell", "eager"), [("compile_1f1b", "seed_1f1b"),
