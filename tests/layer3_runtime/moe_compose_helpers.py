@@ -1,0 +1,79 @@
+"""Helpers for the MoE composition tests: several ``moe_tiny`` runs of one backend in one set of forked
+gloo ranks (a fork costs seconds; the runs follow one another in it), each against the independent
+reference (:mod:`torchtitan_spmd.reference`, float64)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moe_helpers import moe_config
+from parity_helpers import LOCAL_BATCH, warm_parent
+
+from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.launcher import run_forked
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One run: its name, its config, the reference's global batch (sequences a step)."""
+
+    name: str
+    config: JobConfig
+    global_batch: int
+
+
+def tp_cases(backend: str) -> list[Case]:
+    """The MoE x TP runs of ``backend`` on 4 ranks (FSDP 2 x TP 2), 6 steps each:
+
+    - ``sp``: sequence parallel, selective activation checkpointing (``spmd_types``: type-checked);
+    - ``nosp_accum_full_ac``: sequence parallel off, two gradient-accumulation microbatches, full
+      activation checkpointing, ``debug.moe_force_load_balance`` (the tokens per expert are known).
+    """
+    sp = moe_config(backend, "fsdp4")
+    sp.parallelism.data_parallel_shard_degree, sp.parallelism.tensor_parallel_degree = 2, 2
+    sp.activation_checkpoint.mode = "selective"
+    if backend == "spmd_types":
+        sp.debug.spmd_typechecking = True
+    nosp = moe_config(backend, "fsdp4", moe_force_load_balance=True)
+    nosp.parallelism.data_parallel_shard_degree, nosp.parallelism.tensor_parallel_degree = 2, 2
+    nosp.parallelism.enable_sequence_parallel = False
+    nosp.training.global_batch_size = 4 * LOCAL_BATCH
+    nosp.activation_checkpoint.mode = "full"
+    return [Case("sp", sp, 2 * LOCAL_BATCH), Case("nosp_accum_full_ac", nosp, 4 * LOCAL_BATCH)]
+
+
+def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[Any, ...]]]:
+    from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
+    from torchtitan_spmd.train import Trainer
+
+    out = []
+    for cfg in configs:
+        # A later trainer in the process: DTensor's propagation caches key on mesh equality.
+        clear_dtensor_sharding_caches()
+        trainer = Trainer(cfg)
+        try:
+            out.append([(r.loss, r.grad_norm, None if r.expert_load is None else (r.expert_load.min, r.expert_load.max))
+                        for r in trainer.run()])
+        finally:
+            trainer.close()
+    return out
+
+
+def run_cases(cases: list[Case], world: int) -> dict[str, list[tuple[Any, ...]]]:
+    """Each case's per-step ``(loss, grad_norm, (min, max) tokens per expert)``; every rank must agree."""
+    warm_parent()
+    per_rank = run_forked(_worker, world, [c.config for c in cases], timeout_s=600)
+    for rank, records in enumerate(per_rank):
+        if records != per_rank[0]:
+            raise AssertionError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
+    return {c.name: got for c, got in zip(cases, per_rank[0], strict=True)}
+
+
+def reference_of(case: Case) -> tuple[tuple[float, float], ...]:
+    """The reference's per-step ``(loss, grad_norm)`` for ``case`` (its routing switches, its global batch)."""
+    from torchtitan_spmd.reference import run_reference
+
+    cfg = moe_config("default", "single", moe_force_load_balance=case.config.debug.moe_force_load_balance)
+    cfg.training.local_batch_size = case.global_batch
+    return tuple(run_reference(cfg, global_batch=case.global_batch))
