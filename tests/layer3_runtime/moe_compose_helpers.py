@@ -24,11 +24,13 @@ class Case:
 
 
 def tp_cases(backend: str) -> list[Case]:
-    """The MoE x TP runs of ``backend`` on 4 ranks (FSDP 2 x TP 2), 6 steps each:
+    """The MoE x TP (and CP) runs of ``backend`` on 4 ranks (FSDP 2 x TP 2), 6 steps each:
 
     - ``sp``: sequence parallel, selective activation checkpointing (``spmd_types``: type-checked);
     - ``nosp_accum_full_ac``: sequence parallel off, two gradient-accumulation microbatches, full
-      activation checkpointing, ``debug.moe_force_load_balance`` (the tokens per expert are known).
+      activation checkpointing, ``debug.moe_force_load_balance`` (the tokens per expert are known);
+    - ``cp2_tp2`` (``full_dtensor``, ``spmd_types``): context parallel 2 x TP 2, ring attention, the
+      router per token on this rank's sequence shard, the counts summed over ``cp``.
     """
     sp = moe_config(backend, "fsdp4")
     sp.parallelism.data_parallel_shard_degree, sp.parallelism.tensor_parallel_degree = 2, 2
@@ -40,7 +42,13 @@ def tp_cases(backend: str) -> list[Case]:
     nosp.parallelism.enable_sequence_parallel = False
     nosp.training.global_batch_size = 4 * LOCAL_BATCH
     nosp.activation_checkpoint.mode = "full"
-    return [Case("sp", sp, 2 * LOCAL_BATCH), Case("nosp_accum_full_ac", nosp, 4 * LOCAL_BATCH)]
+    cases = [Case("sp", sp, 2 * LOCAL_BATCH), Case("nosp_accum_full_ac", nosp, 4 * LOCAL_BATCH)]
+    if backend != "default":  # context parallelism runs under full_dtensor and spmd_types (no³ under default)
+        cp = moe_config(backend, "fsdp4")
+        cp.parallelism.data_parallel_shard_degree, cp.parallelism.tensor_parallel_degree = 1, 2
+        cp.parallelism.context_parallel_degree = 2
+        cases.append(Case("cp2_tp2", cp, LOCAL_BATCH))
+    return cases
 
 
 def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[Any, ...]]]:

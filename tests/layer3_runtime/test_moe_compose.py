@@ -1,6 +1,6 @@
-"""Layer 3: the MoE flavour (``moe_tiny``) composed with tensor parallelism, under every backend.
+"""Layer 3: the MoE flavour (``moe_tiny``) composed with tensor and context parallelism, under every backend.
 
-Real forked gloo ranks (4: FSDP 2 x TP 2), fp32, 6 steps, against the independent reference
+Real forked gloo ranks (4: FSDP 2 x TP 2; CP 2 x TP 2), fp32, 6 steps, against the independent reference
 (float64: the MoE restated densely, no shared code), loss within 1e-5 and gradient norm within
 1e-4 at every step. The experts are tensor-parallel as upstream's with ``ep = 1`` (``w1``/``w3``
 column-wise, ``w2`` row-wise, the block's partial output reduced once), the router's gate
@@ -9,7 +9,9 @@ replicated. The runs of one backend share one set of forked ranks:
 - sequence parallel with selective activation checkpointing (``spmd_types``: type-checked);
 - sequence parallel off, two gradient-accumulation microbatches, full activation checkpointing and
   ``debug.moe_force_load_balance``: every expert gets exactly the global step's tokens x top-k /
-  experts, counted once although every TP rank routes the same tokens.
+  experts, counted once although every TP rank routes the same tokens;
+- (``full_dtensor``, ``spmd_types``: the backends that run context parallelism) CP 2 x TP 2: each
+  rank routes the tokens of its sequence shard, the counts summed over ``cp``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def tp_runs(backend: str) -> tuple[list, dict]:
     return cases, run_cases(cases, 4)
 
 
-def test_moe_with_tensor_parallel_experts_matches_the_reference(backend: str, tp_runs: tuple[list, dict]) -> None:
+def test_moe_with_tp_and_cp_matches_the_reference(backend: str, tp_runs: tuple[list, dict]) -> None:
     cases, got = tp_runs
     for case in cases:
         ref = reference_of(case)

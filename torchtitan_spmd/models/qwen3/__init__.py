@@ -62,20 +62,20 @@ MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.mo
 
 
 def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what the MoE flavours do not run yet: context and pipeline parallelism, compile,
-    Hugging Face weights (tensor parallelism of the experts runs: :func:`~.plan.moe_plan`). (``debug.moe_force_load_balance`` on a dense model: the trainer's
+    """Raise ValueError for what the MoE flavours do not run yet: pipeline parallelism, compile,
+    Hugging Face weights (tensor parallelism of the experts runs, :func:`~.plan.moe_plan`, and context
+    parallelism: the router is per token). (``debug.moe_force_load_balance`` on a dense model: the trainer's
     :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
     flavor = f"model.flavor={job_config.model.flavor!r}"
     if not config.moe_enabled:
         return
     checks = {
-        "parallelism.context_parallel_degree": (parallel_dims.cp, "context parallelism"),
         "parallelism.pipeline_parallel_degree": (parallel_dims.pp, "pipeline parallelism"),
     }
     for field, (degree, what) in checks.items():
         if degree > 1:
             raise ValueError(f"{field}={degree}: {what} does not run with a mixture-of-experts model yet ({flavor}); "
-                             f"set {field}=1 (data parallelism, FSDP, HSDP and tensor parallelism run it).")
+                             f"set {field}=1 (data, tensor and context parallelism run it).")
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"compile.enable with 'model' in compile.components does not run with a mixture-of-experts "
                          f"model yet ({flavor}: data-dependent expert sizes); compile only 'loss', or turn it off.")
