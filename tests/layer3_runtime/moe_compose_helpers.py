@@ -8,10 +8,11 @@ import dataclasses
 from typing import Any
 
 from moe_helpers import moe_config
-from parity_helpers import LOCAL_BATCH, warm_parent
+from parity_helpers import LOCAL_BATCH, NORM_TOL, SEQ_LEN, TOL, max_rel, warm_parent
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
+from torchtitan_spmd.models.qwen3 import FLAVORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +86,25 @@ def reference_of(case: Case) -> tuple[tuple[float, float], ...]:
     cfg = moe_config("default", "single", moe_force_load_balance=case.config.debug.moe_force_load_balance)
     cfg.training.local_batch_size = case.global_batch
     return tuple(run_reference(cfg, global_batch=case.global_batch))
+
+
+def check_against_the_reference(backend: str, cases: list[Case], got: dict[str, list[tuple[Any, ...]]]) -> None:
+    """Every case's loss within ``TOL`` and gradient norm within ``NORM_TOL`` of the reference at
+    every step, and it trains."""
+    for case in cases:
+        ref = reference_of(case)
+        loss, norm = [g[0] for g in got[case.name]], [g[1] for g in got[case.name]]
+        loss_diff, norm_diff = max_rel(loss, [r[0] for r in ref]), max_rel(norm, [r[1] for r in ref])
+        print(f"\nmoe compose {backend} {case.name}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
+        assert loss_diff < TOL, (case.name, loss, ref)
+        assert norm_diff < NORM_TOL, (case.name, norm, ref)
+        assert loss[-1] < loss[0] - 0.1
+
+
+def check_counted_once(cases: list[Case], got: dict[str, list[tuple[Any, ...]]]) -> None:
+    """Under forced balance every expert gets exactly the global step's tokens x top-k / experts
+    (summed over the data ranks, not again over the TP ranks that route the same tokens)."""
+    (case,) = [c for c in cases if c.config.debug.moe_force_load_balance]
+    tiny = FLAVORS["moe_tiny"]
+    each = case.global_batch * SEQ_LEN * tiny.top_k // tiny.num_experts
+    assert [g[2] for g in got[case.name]] == [(each, each)] * len(got[case.name])
