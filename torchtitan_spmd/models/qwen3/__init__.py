@@ -62,9 +62,10 @@ MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.mo
 
 
 def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what the MoE flavours do not run yet: pipeline parallelism, compile,
-    Hugging Face weights (tensor parallelism of the experts runs, :func:`~.plan.moe_plan`, and context
-    parallelism: the router is per token). (``debug.moe_force_load_balance`` on a dense model: the trainer's
+    """Raise ValueError for what the MoE flavours do not run yet: pipeline parallelism and ``torch.compile``
+    of the model. (They run tensor parallelism of the experts, :func:`~.plan.moe_plan`; context
+    parallelism, the router being per token; Hugging Face weights as transformers'
+    ``Qwen3MoeForCausalLM``. ``debug.moe_force_load_balance`` on a dense model: the trainer's
     :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
     flavor = f"model.flavor={job_config.model.flavor!r}"
     if not config.moe_enabled:
@@ -79,11 +80,6 @@ def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: Para
     if job_config.compile.enable and "model" in job_config.compile.components:
         raise ValueError(f"compile.enable with 'model' in compile.components does not run with a mixture-of-experts "
                          f"model yet ({flavor}: data-dependent expert sizes); compile only 'loss', or turn it off.")
-    ckpt = job_config.checkpoint
-    for field in ("initial_load_in_hf", "last_save_in_hf"):
-        if getattr(ckpt, field):
-            raise ValueError(f"checkpoint.{field}=True: Hugging Face weights of a mixture-of-experts model are not "
-                             f"supported yet ({flavor}); use DCP checkpoints.")
 
 
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
