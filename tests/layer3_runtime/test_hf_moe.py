@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import NO_STEP_EXPORT, STEPS, TOL, hf_cross_entropy, read_safetensors
-from hf_moe_helpers import HF_MOE_CONFIG, hf_moe_job, hf_moe_model, moe_logits_gap, save_moe_source
-from parity_helpers import skip_full_dtensor_on_old_torch, warm_parent
+from hf_helpers import TOL, read_safetensors
+from hf_moe_helpers import HF_MOE_CONFIG, check_sharded_moe_round_trip, hf_moe_model
+from parity_helpers import skip_full_dtensor_on_old_torch
 from version_helpers import requires_torch
 
 from torchtitan_spmd.models.qwen3 import FLAVORS, Qwen3Model, Qwen3StateDictAdapter, build_model
@@ -94,32 +94,3 @@ def test_unsupported_qwen3_moe_variants_are_named(field: str, value: object) -> 
 def test_sharded_moe_weights_in_and_out_match_transformers(backend: str, tmp_path: Path) -> None:
     skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
     check_sharded_moe_round_trip(backend, tmp_path)
-
-
-def check_sharded_moe_round_trip(backend: str, tmp_path: Path) -> dict[str, float]:
-    """Load -> export -> train -> export on FSDP 2 x TP 2 under ``backend``, judged by transformers."""
-    from hf_helpers import _worker
-
-    from torchtitan_spmd.launcher import run_forked
-
-    warm_parent()
-    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
-
-    src = save_moe_source(tmp_path / "src")
-    dump = tmp_path / "dump"
-    per_rank = run_forked(_worker, 4, [hf_moe_job(backend, src, dump)], timeout_s=300)
-    r = per_rank[0][0]
-    assert all(p[0]["loss1"] == r["loss1"] and p[0]["steps"] == list(range(1, STEPS + 1)) for p in per_rank)
-    rows = {p[0]["dp_rank"]: p[0]["batch"] for p in per_rank}
-    tokens = [row for dp in sorted(rows) for row in rows[dp][0]]
-    labels = [row for dp in sorted(rows) for row in rows[dp][1]]
-    want = hf_cross_entropy(src, tokens, labels)
-    assert abs(r["loss1"] - want) < TOL, (r["loss1"], want)
-    source, exported = read_safetensors(src), read_safetensors(dump / "checkpoint" / f"step-{NO_STEP_EXPORT}")
-    assert sorted(exported) == sorted(source), sorted(set(exported) ^ set(source))
-    for key, tensor in source.items():
-        assert exported[key].dtype == tensor.dtype and exported[key].equal(tensor), key
-    gap = moe_logits_gap(dump / "checkpoint" / f"step-{STEPS}", r["weights"], tokens)
-    print(f"\nhf moe {backend}: step-1 loss gap {abs(r['loss1'] - want):.1e}, exported logits gap {gap:.1e}")
-    assert gap < TOL
-    return {"loss": abs(r["loss1"] - want), "logits": gap}
