@@ -52,7 +52,22 @@ def tp_cases(backend: str) -> list[Case]:
     return cases
 
 
+def compile_cases() -> list[Case]:
+    """MoE x ``torch.compile`` of the blocks (``aot_eager``: the graphs without inductor's minutes of
+    codegen) on one process under ``default``, 6 steps each: routed with selective activation
+    checkpointing; forced balance with full activation checkpointing (the counts known)."""
+    cases = []
+    for name, ac, force in (("compile_selective_ac", "selective", False), ("compile_full_ac_forced", "full", True)):
+        cfg = moe_config("default", "single", moe_force_load_balance=force)
+        cfg.activation_checkpoint.mode = ac
+        cfg.compile.enable, cfg.compile.backend, cfg.compile.components = True, "aot_eager", ["model"]
+        cases.append(Case(name, cfg, LOCAL_BATCH))
+    return cases
+
+
 def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[Any, ...]]]:
+    from torch._dynamo.utils import counters
+
     from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
     from torchtitan_spmd.train import Trainer
 
@@ -62,15 +77,17 @@ def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[
         clear_dtensor_sharding_caches()
         trainer = Trainer(cfg)
         try:
-            out.append([(r.loss, r.grad_norm, None if r.expert_load is None else (r.expert_load.min, r.expert_load.max))
-                        for r in trainer.run()])
+            graphs = int(counters["stats"]["unique_graphs"])
+            out.append([(r.loss, r.grad_norm, None if r.expert_load is None else (r.expert_load.min, r.expert_load.max),
+                         int(counters["stats"]["unique_graphs"]) - graphs) for r in trainer.run()])
         finally:
             trainer.close()
     return out
 
 
 def run_cases(cases: list[Case], world: int) -> dict[str, list[tuple[Any, ...]]]:
-    """Each case's per-step ``(loss, grad_norm, (min, max) tokens per expert)``; every rank must agree."""
+    """Each case's per-step ``(loss, grad_norm, (min, max) tokens per expert, graphs Dynamo compiled
+    in the run)``; every rank must agree."""
     warm_parent()
     per_rank = run_forked(_worker, world, [c.config for c in cases], timeout_s=600)
     for rank, records in enumerate(per_rank):

@@ -12,13 +12,22 @@ first run type-checked: ``tests/layer4_spmd_types/test_moe_compose_spmd.py``):
   ``debug.moe_force_load_balance``: every expert gets exactly the global step's tokens x top-k /
   experts, counted once although every TP rank routes the same tokens;
 - (``full_dtensor``: ``default`` does not run context parallelism) CP 2 x TP 2: each
-  rank routes the tokens of its sequence shard, the counts summed over ``cp``.
+  rank routes the tokens of its sequence shard, the counts summed over ``cp``;
+- ``torch.compile`` of the blocks (``fullgraph``, ``aot_eager``; one process, ``default``) with
+  selective and with full activation checkpointing (forced balance: the counts not doubled by the
+  recompute).
 """
 
 from __future__ import annotations
 
 import pytest
-from moe_compose_helpers import check_against_the_reference, check_counted_once, run_cases, tp_cases
+from moe_compose_helpers import (
+    check_against_the_reference,
+    check_counted_once,
+    compile_cases,
+    run_cases,
+    tp_cases,
+)
 from parity_helpers import skip_full_dtensor_on_old_torch
 
 pytestmark = pytest.mark.multiproc
@@ -44,3 +53,13 @@ def test_moe_with_tp_and_cp_matches_the_reference(backend: str, tp_runs: tuple[l
 
 def test_tokens_per_expert_are_counted_once_under_tp(tp_runs: tuple[list, dict]) -> None:
     check_counted_once(*tp_runs)
+
+
+@pytest.mark.backend("default")
+def test_moe_compiled_matches_the_reference() -> None:
+    cases = compile_cases()
+    got = run_cases(cases, 1)
+    check_against_the_reference("default", cases, got)
+    check_counted_once(cases, got)
+    for case in cases:  # Dynamo compiled the blocks (fullgraph: one graph for the two blocks, more on recompiles)
+        assert got[case.name][-1][3] >= 1, case.name

@@ -187,10 +187,14 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         bias = _local(self.expert_bias) if self.expert_bias is not None else None
         weights, ids = self.router(flat, bias, self.experts.w2)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.experts.num_experts)
+        flat_ids = ids.reshape(-1)
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # bincount at a static shape (torch.compile's fullgraph)
         # Counted once per forward: not again when activation checkpointing recomputes the
         # block in backward (inside autograd's graph task), unlike upstream, which halves them.
-        if torch._C._current_graph_task_id() == -1:
+        # Compiled (the guard is not traceable), the mutation is part of the forward graph; measured:
+        # counted once under full and selective AC too (tests/layer3_runtime/test_moe_compose.py).
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
         return self.experts(flat, weights, ids, counts).view(shape)
