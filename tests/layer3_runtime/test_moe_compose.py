@@ -13,6 +13,7 @@ first run type-checked: ``tests/layer4_spmd_types/test_moe_compose_spmd.py``):
   experts, counted once although every TP rank routes the same tokens;
 - (``full_dtensor``: ``default`` does not run context parallelism) CP 2 x TP 2: each
   rank routes the tokens of its sequence shard, the counts summed over ``cp``;
+- (``default``) bf16 mixed precision, 3 steps, within 2e-4;
 - ``torch.compile`` of the blocks (``fullgraph``, ``aot_eager``; one process, ``default``) with
   selective and with full activation checkpointing (forced balance: the counts not doubled by the
   recompute).
