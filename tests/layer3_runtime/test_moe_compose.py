@@ -21,6 +21,8 @@ first run type-checked: ``tests/layer4_spmd_types/test_moe_compose_spmd.py``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from moe_compose_helpers import (
     check_against_the_reference,
@@ -64,3 +66,21 @@ def test_moe_compiled_matches_the_reference() -> None:
     check_counted_once(cases, got)
     for case in cases:  # Dynamo compiled the blocks (fullgraph: one graph for the two blocks, more on recompiles)
         assert got[case.name][-1][3] >= 1, case.name
+
+
+@pytest.mark.backend("default")
+def test_expert_width_not_divisible_by_tp_is_a_setup_error(fake_pg: Callable[[int], None],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from moe_helpers import moe_config
+
+    from torchtitan_spmd.models import qwen3
+    from torchtitan_spmd.train import Trainer
+
+    monkeypatch.setitem(qwen3.FLAVORS, "moe_tiny", dataclasses.replace(qwen3.FLAVORS["moe_tiny"], moe_hidden_dim=63))
+    cfg = moe_config("default", "fsdp4")
+    cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree = 2, 2
+    fake_pg(4)
+    with pytest.raises(ValueError, match=r"model moe_hidden_dim=63 is not divisible by parallelism.tensor_parallel_degree=2"):
+        Trainer(cfg)
