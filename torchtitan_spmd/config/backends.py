@@ -170,6 +170,7 @@ register_backend(Backend(
         resolve_to_spmd_mesh_only=True,
     ),
     context_parallel=True,
+    pipeline_parallel=True,
 ))
 register_backend(Backend(
     "spmd_types", f"{_RUNTIME}.spmd_types",
@@ -186,5 +187,6 @@ register_backend(Backend(
     ),
     typechecking=True,
     context_parallel=True,
+    pipeline_parallel=True,
 ))
 _BUILTIN = frozenset(_REGISTRY)
