@@ -8,10 +8,11 @@ library once (:func:`parity_helpers.warm_parent`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from parity_helpers import job_config, warm_parent
+from parity_helpers import job_config, reference, warm_parent
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
@@ -163,3 +164,17 @@ def run_cell(cell: Cell, *, timeout_s: float = 300) -> dict[str, Any]:
         if result["records"] != per_rank[0]["records"]:
             raise AssertionError(f"rank {rank} logged {result}, rank 0 {per_rank[0]}")
     return per_rank[0]
+
+
+def _reference(rank: int, world: int, global_batch: int) -> tuple[tuple[float, float], ...]:
+    return reference(global_batch, steps=STEPS)
+
+
+@functools.cache
+def pp_reference(global_batch: int) -> tuple[tuple[float, float], ...]:
+    """:func:`parity_helpers.reference` of :data:`STEPS` steps, computed in a forked child: a backward
+    in this process after the in-process setup tests' DTensor sharding propagation would make torch
+    refuse autograd in every rank forked later ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing", measured)."""
+    warm_parent()
+    return tuple(run_forked(_reference, 1, global_batch, timeout_s=120)[0])

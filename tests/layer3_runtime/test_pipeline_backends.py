@@ -13,8 +13,8 @@ from collections.abc import Callable
 from unittest import mock
 
 import pytest
-from parity_helpers import NORM_TOL, TOL, max_rel, reference
-from pp_backend_helpers import PARITY_CELLS, STEPS, Cell, planted_spec, run_cell
+from parity_helpers import NORM_TOL, TOL, max_rel
+from pp_backend_helpers import PARITY_CELLS, Cell, planted_spec, pp_reference, run_cell
 
 FULL_DTENSOR_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "full_dtensor"}
 
@@ -27,7 +27,7 @@ def test_full_dtensor_pipeline_matches_the_reference(cell: str) -> None:
     if fd.DataParallelMeshDims is None:
         pytest.skip(f"full_dtensor with data parallelism needs torch >= {fd.FSDP_MIN_TORCH}")
     got = run_cell(FULL_DTENSOR_CELLS[cell])["records"]
-    ref = reference(FULL_DTENSOR_CELLS[cell].global_batch, steps=STEPS)
+    ref = pp_reference(FULL_DTENSOR_CELLS[cell].global_batch)
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
 

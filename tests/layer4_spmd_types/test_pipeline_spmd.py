@@ -18,7 +18,7 @@ from collections.abc import Callable
 from unittest import mock
 
 import pytest
-from spmd_helpers import max_rel, reference, requires_torch
+from spmd_helpers import max_rel, requires_torch
 
 _LAYER3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "layer3_runtime")
 if _LAYER3 not in sys.path:
@@ -28,9 +28,9 @@ from pp_backend_helpers import (  # noqa: E402
     MISSING_REDUCE_MODULE,
     MISSING_REDUCE_TYPED,
     PARITY_CELLS,
-    STEPS,
     Cell,
     planted_spec,
+    pp_reference,
     run_cell,
 )
 
@@ -46,7 +46,7 @@ SPMD_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "spmd_types"
 @pytest.mark.parametrize("cell", list(SPMD_CELLS))
 def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
     result = run_cell(SPMD_CELLS[cell])
-    got, ref = result["records"], reference(SPMD_CELLS[cell].global_batch, steps=STEPS)
+    got, ref = result["records"], pp_reference(SPMD_CELLS[cell].global_batch)
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
     if SPMD_CELLS[cell].typecheck:
@@ -56,7 +56,7 @@ def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
 @pytest.mark.multiproc
 def test_a_missing_collective_in_a_middle_stage_is_a_wrong_loss_without_the_checker() -> None:
     cell = PARITY_CELLS["spmd_types-missing_reduce_in_stage2-unchecked"]
-    got, ref = run_cell(cell)["records"], reference(cell.global_batch, steps=STEPS)
+    got, ref = run_cell(cell)["records"], pp_reference(cell.global_batch)
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) > 10 * TOL, (got, ref)  # measured: 4e-4
 
 
