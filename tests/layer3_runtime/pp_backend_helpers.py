@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,42 +125,36 @@ def planted_spec(name: str, plant: str | None) -> Any:
 
 
 def train_cell(cell: Cell) -> dict[str, Any]:
-    """Train one cell in this process: its per-step ``(loss, grad norm)`` and how many ops the
-    type checker decided (0 when nothing was checked)."""
+    """Train one cell in this process: ``{"records": per-step (loss, grad norm)}``."""
     from unittest import mock
 
     import torchtitan_spmd.train as train_module
 
-    cache = None
-    if cell.typecheck:  # the spmd_types layer's checker: how many ops it decided
-        from torchtitan_spmd.distributed.representations.spmd_types.typecheck import (
-            DECISION_CACHE as cache,
-        )
-
-        cache.clear()
     with mock.patch.object(train_module, "get_model_spec", lambda name: planted_spec(name, cell.plant)):
         trainer = train_module.Trainer(cell.config())
     try:
         records = [(r.loss, r.grad_norm) for r in trainer.run()]
     finally:
         trainer.close()
-    return {"records": records, "checked_ops": cache.misses + cache.unkeyed if cache is not None else 0}
+    return {"records": records}
 
 
 def _train_one(rank: int, world: int, cell: Cell) -> dict[str, Any]:
     return train_cell(cell)
 
 
-def run_cell(cell: Cell, *, timeout_s: float = 300) -> dict[str, Any]:
-    """One cell on its own :data:`WORLD` forked gloo ranks (they inherit the warm parent's imports):
-    rank 0's result; every rank must log the same steps (``WorkerError`` if a rank raises).
+def run_cell(cell: Cell, *, timeout_s: float = 300,
+             train: Callable[[int, int, Cell], dict[str, Any]] = _train_one) -> dict[str, Any]:
+    """``train(rank, world, cell)`` (by default :func:`train_cell`) on :data:`WORLD` forked gloo ranks
+    of their own (they inherit the warm parent's imports): rank 0's result; every rank must log the
+    same steps (``WorkerError`` if a rank raises).
 
     One fork per cell: a second FSDP trainer in the same process over an equal mesh meets the first
     one's mesh objects in torch's FSDP ("Expected param's DTensor mesh to be the same mesh passed
     to fully_shard", measured).
     """
     warm_parent()
-    per_rank = run_forked(_train_one, WORLD, cell, timeout_s=timeout_s)
+    per_rank = run_forked(train, WORLD, cell, timeout_s=timeout_s)
     for rank, result in enumerate(per_rank):
         if result["records"] != per_rank[0]["records"]:
             raise AssertionError(f"rank {rank} logged {result}, rank 0 {per_rank[0]}")

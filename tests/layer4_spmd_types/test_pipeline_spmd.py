@@ -12,19 +12,15 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import pytest
-from spmd_helpers import max_rel, requires_torch
+from spmd_helpers import max_rel, requires_torch  # puts tests/layer3_runtime on sys.path
 
-_LAYER3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "layer3_runtime")
-if _LAYER3 not in sys.path:
-    sys.path.insert(0, _LAYER3)
-
-from pp_backend_helpers import (  # noqa: E402
+# isort: split
+from pp_backend_helpers import (
     MISSING_REDUCE_MODULE,
     MISSING_REDUCE_TYPED,
     PARITY_CELLS,
@@ -32,9 +28,10 @@ from pp_backend_helpers import (  # noqa: E402
     planted_spec,
     pp_reference,
     run_cell,
+    train_cell,
 )
 
-from torchtitan_spmd.launcher import WorkerError  # noqa: E402
+from torchtitan_spmd.launcher import WorkerError
 
 pytestmark = [pytest.mark.backend("spmd_types"), requires_torch("2.14", "spmd_types with FSDP")]
 
@@ -42,10 +39,18 @@ TOL, NORM_TOL = 1e-5, 1e-4
 SPMD_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "spmd_types" and v.plant is None}
 
 
+def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, Any]:
+    """:func:`train_cell`, and how many ops the type checker decided (0: nothing was checked)."""
+    from torchtitan_spmd.distributed.representations.spmd_types.typecheck import DECISION_CACHE
+
+    DECISION_CACHE.clear()
+    return {**train_cell(cell), "checked_ops": DECISION_CACHE.misses + DECISION_CACHE.unkeyed}
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("cell", list(SPMD_CELLS))
 def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
-    result = run_cell(SPMD_CELLS[cell])
+    result = run_cell(SPMD_CELLS[cell], train=_train_counting_checked_ops)
     got, ref = result["records"], pp_reference(SPMD_CELLS[cell].global_batch)
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
@@ -57,7 +62,7 @@ def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
 def test_a_missing_collective_in_a_middle_stage_is_a_wrong_loss_without_the_checker() -> None:
     cell = PARITY_CELLS["spmd_types-missing_reduce_in_stage2-unchecked"]
     got, ref = run_cell(cell)["records"], pp_reference(cell.global_batch)
-    assert max_rel([g[0] for g in got], [r[0] for r in ref]) > 10 * TOL, (got, ref)  # measured: 4e-4
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) > 10 * TOL, (got, ref)  # measured: 8.8e-4
 
 
 @pytest.mark.multiproc
