@@ -33,6 +33,9 @@ class Cell:
     typecheck: bool = False
     #: A name of :data:`PLANTS`: the plan is changed before the model is built.
     plant: str | None = None
+    steps: int = STEPS
+    #: ``debug.spmd_typechecking_steps`` (with ``typecheck``).
+    typecheck_steps: int | None = None
 
     @property
     def global_batch(self) -> int:
@@ -42,8 +45,9 @@ class Cell:
     def config(self) -> JobConfig:
         par = {"pipeline_parallel_degree": 2, "pipeline_parallel_microbatch_size": self.microbatch,
                "data_parallel_shard_degree": 1, **self.parallelism}
-        debug = {"spmd_typechecking": True} if self.typecheck else {}
-        cfg = job_config(self.backend, par, local_batch=self.local_batch, steps=STEPS, **debug)
+        debug = ({"spmd_typechecking": True, "spmd_typechecking_steps": self.typecheck_steps}
+                 if self.typecheck else {})
+        cfg = job_config(self.backend, par, local_batch=self.local_batch, steps=self.steps, **debug)
         cfg.training.global_batch_size = self.global_batch
         return cfg
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -40,11 +41,13 @@ SPMD_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "spmd_types"
 
 
 def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, Any]:
-    """:func:`train_cell`, and how many ops the type checker decided (0: nothing was checked)."""
+    """:func:`train_cell`, and how many ops went through the type checker (its decision cache:
+    checked, or replayed; 0: nothing was checked)."""
     from torchtitan_spmd.distributed.representations.spmd_types.typecheck import DECISION_CACHE
 
     DECISION_CACHE.clear()
-    return {**train_cell(cell), "checked_ops": DECISION_CACHE.misses + DECISION_CACHE.unkeyed}
+    result = train_cell(cell)
+    return {**result, "checked_ops": DECISION_CACHE.misses + DECISION_CACHE.unkeyed + DECISION_CACHE.hits}
 
 
 @pytest.mark.multiproc
@@ -72,6 +75,17 @@ def test_a_missing_collective_in_a_middle_stage_is_a_type_error_naming_the_modul
     message = str(err.value)
     assert "SpmdTypeError" in message, message[-3000:]
     assert f"{MISSING_REDUCE_MODULE} output" in message, message[-3000:]
+
+
+@pytest.mark.multiproc
+def test_spmd_typechecking_steps_turns_the_stages_checker_off() -> None:
+    # The first of 4 steps checked: exactly the ops of a 1-step checked run (the stages' forwards
+    # and losses of steps 2-4 unchecked).
+    cell = SPMD_CELLS["spmd_types-pp2_tp2_gpipe-typed"]
+    first_only = run_cell(dataclasses.replace(cell, typecheck_steps=1), train=_train_counting_checked_ops)
+    one_step = run_cell(dataclasses.replace(cell, steps=1), train=_train_counting_checked_ops)
+    assert len(first_only["records"]) == 4 and len(one_step["records"]) == 1
+    assert first_only["checked_ops"] == one_step["checked_ops"] > 0, (first_only, one_step)
 
 
 def test_an_undeclared_stage_boundary_is_a_setup_error(fake_world: Callable[..., None]) -> None:
