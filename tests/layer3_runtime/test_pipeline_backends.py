@@ -20,6 +20,7 @@ FULL_DTENSOR_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "ful
 
 
 @pytest.mark.multiproc
+@pytest.mark.backend("full_dtensor")
 @pytest.mark.parametrize("cell", list(FULL_DTENSOR_CELLS))
 def test_full_dtensor_pipeline_matches_the_reference(cell: str) -> None:
     from torchtitan_spmd.distributed.representations import full_dtensor as fd
