@@ -177,3 +177,27 @@ def pp_reference(global_batch: int) -> tuple[tuple[float, float], ...]:
     with fork-based multiprocessing", measured)."""
     warm_parent()
     return tuple(run_forked(_reference, 1, global_batch, timeout_s=120)[0])
+
+
+def pp_checkpoint_round_trip(backend: str, folder: Any) -> tuple[set[str], set[str], list[Any], Any]:
+    """Save at step 2 of PP 2 x FSDP 2 Interleaved1F1B (two stages a rank) under ``backend``, then
+    resume without PP in one process to step :data:`STEPS`. Returns (the checkpoint's model keys,
+    the model's parameter names, the resumed steps, the reference's steps 3-4)."""
+    import torch.distributed.checkpoint as dcp
+    from checkpoint_helpers import ck_config
+    from parity_helpers import run_config
+
+    from torchtitan_spmd.models import get_model_spec
+
+    saved = ck_config(backend, "single", folder, steps=2, interval=2, last_save_model_only=False)
+    for key, value in {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
+                       "pipeline_parallel_schedule": "Interleaved1F1B"}.items():
+        setattr(saved.parallelism, key, value)
+    saved.training.local_batch_size = 2  # global batch 4, as the one-process run's
+    run_config(saved, WORLD)
+    keys = set(dcp.FileSystemReader(str(folder / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
+    spec = get_model_spec("llama3")
+    names = {n for n, _ in spec.build(spec.flavors["tiny"]).named_parameters()}
+    model_keys = {k for k in keys if k.split(".")[0] in {"tok_embeddings", "layers", "norm", "output"}}
+    resumed = run_config(ck_config(backend, "single", folder, steps=STEPS, interval=2), 1)
+    return model_keys, names, resumed, pp_reference(4)[2:]

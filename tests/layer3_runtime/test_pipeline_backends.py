@@ -10,11 +10,19 @@ stage are in ``tests/layer4_spmd_types/test_pipeline_spmd.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import pytest
 from parity_helpers import NORM_TOL, TOL, max_rel
-from pp_backend_helpers import PARITY_CELLS, Cell, planted_spec, pp_reference, run_cell
+from pp_backend_helpers import (
+    PARITY_CELLS,
+    Cell,
+    planted_spec,
+    pp_checkpoint_round_trip,
+    pp_reference,
+    run_cell,
+)
 
 FULL_DTENSOR_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "full_dtensor"}
 
@@ -49,3 +57,13 @@ def test_a_plan_without_the_stage_boundary_is_a_setup_error(fake_pg: Callable[[i
             train_module.Trainer(cell.config())
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.multiproc
+@pytest.mark.backend("full_dtensor")
+def test_a_full_dtensor_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path) -> None:
+    model_keys, names, got, ref = pp_checkpoint_round_trip("full_dtensor", tmp_path)
+    assert model_keys == names, sorted(model_keys ^ names)  # the whole model's FQNs, no stage prefix
+    assert len(got) == 2
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -27,6 +28,7 @@ from pp_backend_helpers import (
     PARITY_CELLS,
     Cell,
     planted_spec,
+    pp_checkpoint_round_trip,
     pp_reference,
     run_cell,
     train_cell,
@@ -97,3 +99,12 @@ def test_an_undeclared_stage_boundary_is_a_setup_error(fake_world: Callable[...,
     with mock.patch.object(train_module, "get_model_spec", lambda name: planted_spec(name, "no_stage_boundary")):
         with pytest.raises(ValueError, match="declares no stage_boundary.*ShardingPlan.stage_boundary"):
             train_module.Trainer(cell.config())
+
+
+@pytest.mark.multiproc
+def test_a_spmd_types_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path) -> None:
+    model_keys, names, got, ref = pp_checkpoint_round_trip("spmd_types", tmp_path)
+    assert model_keys == names, sorted(model_keys ^ names)  # the whole model's FQNs, no stage prefix
+    assert len(got) == 2
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
