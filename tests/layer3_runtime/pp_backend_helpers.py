@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,10 +179,10 @@ def pp_reference(global_batch: int) -> tuple[tuple[float, float], ...]:
     return tuple(run_forked(_reference, 1, global_batch, timeout_s=120)[0])
 
 
-def pp_checkpoint_round_trip(backend: str, folder: Any) -> tuple[set[str], set[str], list[Any], Any]:
-    """Save at step 2 of PP 2 x FSDP 2 Interleaved1F1B (two stages a rank) under ``backend``, then
-    resume without PP in one process to step :data:`STEPS`. Returns (the checkpoint's model keys,
-    the model's parameter names, the resumed steps, the reference's steps 3-4)."""
+def check_pp_checkpoint_round_trip(backend: str, folder: Any) -> None:
+    """Save at step 2 of PP 2 x FSDP 2 Interleaved1F1B (two stages a rank) under ``backend``; assert
+    that the checkpoint holds the whole model's FQNs (no stage prefix) and that one process without
+    PP resumes it on the reference's steps 3-4."""
     import torch.distributed.checkpoint as dcp
     from checkpoint_helpers import ck_config
     from parity_helpers import run_config
@@ -199,5 +199,15 @@ def pp_checkpoint_round_trip(backend: str, folder: Any) -> tuple[set[str], set[s
     spec = get_model_spec("llama3")
     names = {n for n, _ in spec.build(spec.flavors["tiny"]).named_parameters()}
     model_keys = {k for k in keys if k.split(".")[0] in {"tok_embeddings", "layers", "norm", "output"}}
-    resumed = run_config(ck_config(backend, "single", folder, steps=STEPS, interval=2), 1)
-    return model_keys, names, resumed, pp_reference(4)[2:]
+    assert model_keys == names, sorted(model_keys ^ names)
+    got = run_config(ck_config(backend, "single", folder, steps=STEPS, interval=2), 1)
+    assert len(got) == 2
+    assert_matches_reference(got, pp_reference(4)[2:])
+
+
+def assert_matches_reference(got: Sequence[tuple[float, float]], ref: Sequence[tuple[float, float]]) -> None:
+    """Per-step loss within ``parity_helpers.TOL`` and gradient norm within ``NORM_TOL`` of ``ref``."""
+    from parity_helpers import NORM_TOL, TOL, max_rel
+
+    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
+    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)

@@ -13,18 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
+import pp_backend_helpers as pp
 import pytest
-from parity_helpers import NORM_TOL, TOL, max_rel
-from pp_backend_helpers import (
-    PARITY_CELLS,
-    Cell,
-    planted_spec,
-    pp_checkpoint_round_trip,
-    pp_reference,
-    run_cell,
-)
 
-FULL_DTENSOR_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "full_dtensor"}
+FULL_DTENSOR_CELLS = {k: v for k, v in pp.PARITY_CELLS.items() if v.backend == "full_dtensor"}
 
 
 @pytest.mark.multiproc
@@ -35,10 +27,8 @@ def test_full_dtensor_pipeline_matches_the_reference(cell: str) -> None:
 
     if fd.DataParallelMeshDims is None:
         pytest.skip(f"full_dtensor with data parallelism needs torch >= {fd.FSDP_MIN_TORCH}")
-    got = run_cell(FULL_DTENSOR_CELLS[cell])["records"]
-    ref = pp_reference(FULL_DTENSOR_CELLS[cell].global_batch)
-    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
-    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
+    pp.assert_matches_reference(pp.run_cell(FULL_DTENSOR_CELLS[cell])["records"],
+                             pp.pp_reference(FULL_DTENSOR_CELLS[cell].global_batch))
 
 
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])
@@ -51,8 +41,8 @@ def test_a_plan_without_the_stage_boundary_is_a_setup_error(fake_pg: Callable[[i
     import torchtitan_spmd.train as train_module
 
     fake_pg(4)
-    cell = Cell(backend, {"tensor_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe"})
-    with mock.patch.object(train_module, "get_model_spec", lambda name: planted_spec(name, plant)):
+    cell = pp.Cell(backend, {"tensor_parallel_degree": 2, "pipeline_parallel_schedule": "GPipe"})
+    with mock.patch.object(train_module, "get_model_spec", lambda name: pp.planted_spec(name, plant)):
         with pytest.raises(ValueError) as err:
             train_module.Trainer(cell.config())
     for needle in needles:
@@ -62,8 +52,4 @@ def test_a_plan_without_the_stage_boundary_is_a_setup_error(fake_pg: Callable[[i
 @pytest.mark.multiproc
 @pytest.mark.backend("full_dtensor")
 def test_a_full_dtensor_pp_checkpoint_has_the_model_keys_and_resumes_without_pp(tmp_path: Path) -> None:
-    model_keys, names, got, ref = pp_checkpoint_round_trip("full_dtensor", tmp_path)
-    assert model_keys == names, sorted(model_keys ^ names)  # the whole model's FQNs, no stage prefix
-    assert len(got) == 2
-    assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
-    assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
+    pp.check_pp_checkpoint_round_trip("full_dtensor", tmp_path)
