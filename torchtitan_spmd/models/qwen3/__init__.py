@@ -61,42 +61,20 @@ FLAVORS: dict[str, Qwen3Config] = {
 MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.moe_enabled)
 
 
-def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what this MoE slice does not run: tensor and context parallelism, compile,
-    Hugging Face weights. (``debug.moe_force_load_balance`` on a dense model: the trainer's
-    :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
-    flavor = f"model.flavor={job_config.model.flavor!r}"
-    if not config.moe_enabled:
-        return
-    checks = {
-        "parallelism.tensor_parallel_degree": (parallel_dims.tp, "tensor parallelism"),
-        "parallelism.context_parallel_degree": (parallel_dims.cp, "context parallelism"),
-    }
-    for field, (degree, what) in checks.items():
-        if degree > 1:
-            raise ValueError(f"{field}={degree}: {what} does not run with a mixture-of-experts model yet ({flavor}); "
-                             f"set {field}=1 (data parallelism, FSDP and HSDP, runs it).")
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ValueError(f"compile.enable with 'model' in compile.components does not run with a mixture-of-experts "
-                         f"model yet ({flavor}: data-dependent expert sizes); compile only 'loss', or turn it off.")
-    ckpt = job_config.checkpoint
-    for field in ("initial_load_in_hf", "last_save_in_hf"):
-        if getattr(ckpt, field):
-            raise ValueError(f"checkpoint.{field}=True: Hugging Face weights of a mixture-of-experts model are not "
-                             f"supported yet ({flavor}); use DCP checkpoints.")
-
-
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError when ``training.seq_len`` does not fit, tensor parallelism cannot shard ``config``
-    evenly, or the MoE flavours meet what they do not run yet (:func:`validate_moe`)."""
+    """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config``
+    evenly. (The MoE flavours run every parallelism here but EP, whose degree ``ParallelDims`` and the
+    trainer reject, and pipeline parallelism with the other techniques.)"""
     check_seq_len(config.max_seq_len, job_config)
-    validate_moe(config, job_config, parallel_dims)
-    check_tp_divisible({
+    sizes = {
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,
         "model hidden_dim": config.hidden_dim,
         "vocab size": config.vocab_size,
-    }, job_config, parallel_dims)
+    }
+    if config.moe_enabled:
+        sizes["model moe_hidden_dim"] = config.moe_hidden_dim  # the experts' w1/w3 columns, w2 rows
+    check_tp_divisible(sizes, job_config, parallel_dims)
 
 
 MODEL_SPEC = ModelSpec(
