@@ -2,6 +2,7 @@
 
     python bench/pp_bench.py                          # llama3 debugmodel, global batch 8, seq 256
     python bench/pp_bench.py --repeats 3 --steps 6 --microbatch-size 1
+    python bench/pp_bench.py --global-batch 16 --seq-len 512 --microbatch-size 2 --repeats 3 --no-fsdp
 
 Jobs (default backend, fp32, no activation checkpointing, eager, gloo), interleaved ``--repeats`` times:
 
@@ -12,14 +13,24 @@ Jobs (default backend, fp32, no activation checkpointing, eager, gloo), interlea
   microbatches.
 
 Step time: the median over the steps after the first of the slowest rank per step, then the median over
-repeats. Peak RSS: ``VmHWM`` of the largest rank, reset right after the fork. The bubble column is the PP
-step time over the ideal of a perfect two-way split of the one-process step (``single / 2``), next to
-the schedule's ideal ``1 + (p - 1) / (v m)`` (``(m + p - 1) / m`` for one stage a rank, ``v = 1``).
+repeats (the spread: the fastest and slowest repeat). Peak RSS: ``VmHWM`` of the largest rank, reset right
+after the fork. ``step / (single / 2)`` is the PP step time over a perfect two-way split of the one-process
+step, next to the schedule's ideal ``1 + (p - 1) / (v m)`` (``(m + p - 1) / m`` for one stage a rank,
+``v = 1``).
+
+The bubble, on a shared machine (``--pin``, the default: rank ``r`` on core ``r``, one thread each):
+wall time also counts the waits for a core, and gloo's waits spin (a PP rank's CPU time is its wall
+time), so each rank also times its pipeline waits: every ``wait`` on the schedule's batched sends and
+receives (torch's ``schedules._wait_batch_p2p``, wrapped in the rank). ``bubble`` is the PP ranks'
+mean of ``step / (step - waits)`` (median over the steps), the measured counterpart of the ideal
+``1 + (p - 1) / (v m)``: the pipeline's idle time, with its P2P time and the peer's waits for a core.
+The load average is printed with each repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -63,19 +74,45 @@ def _read_kib(field: str) -> float:
     return float("nan")
 
 
-def _rank(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
+def _rank(rank: int, world: int, cfg: JobConfig, pin: bool) -> dict[str, Any]:
+    import torch
+    from torch.distributed.pipelining import schedules
+
     from torchtitan_spmd.train import Trainer
 
+    if pin:  # rank r on core r (of the cores this process may use), one thread
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        torch.set_num_threads(1)
+    waited = [0.0]
+    wait_batch_p2p = schedules._wait_batch_p2p
+
+    def timed_wait(work: Any) -> None:  # every schedule's P2P waits go through this module function
+        start = time.perf_counter()
+        wait_batch_p2p(work)
+        waited[0] += time.perf_counter() - start
+
+    schedules._wait_batch_p2p = timed_wait
     with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on, not the parent's
         f.write("5")
     trainer = Trainer(cfg)
-    times = []
+    times, waits = [], []
     for step in range(1, cfg.training.steps + 1):
-        start = time.perf_counter()
+        start, waited[0] = time.perf_counter(), 0.0
         trainer.step(step)
         times.append(time.perf_counter() - start)
+        waits.append(waited[0])
     trainer.close()
-    return {"times": times, "peak_mib": _read_kib("VmHWM") / 1024}
+    return {"times": times, "waits": waits, "peak_mib": _read_kib("VmHWM") / 1024}
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def _v(job: str) -> int:
+    """Stages a rank of a PP job."""
+    return 1 if job[4:] in ("GPipe", "1F1B") else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,32 +125,42 @@ def main(argv: list[str] | None = None) -> int:
                                                "ZBVZeroBubble,DualPipeV")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-fsdp", action="store_true", help="leave out the FSDP 2 job")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the ranks on every core (torch's default threads)")
     args = parser.parse_args(argv)
-    jobs = ["single", "fsdp2", *(f"pp2_{s}" for s in args.schedules.split(","))]
+    jobs = ["single", *([] if args.no_fsdp else ["fsdp2"]), *(f"pp2_{s}" for s in args.schedules.split(","))]
     step_s: dict[str, list[float]] = {j: [] for j in jobs}
     peak: dict[str, list[float]] = {j: [] for j in jobs}
-    for _ in range(args.repeats):
+    bubble: dict[str, list[float]] = {j: [] for j in jobs}  # mean over ranks of step / (step - P2P waits)
+    for repeat in range(args.repeats):
+        print(f"repeat {repeat + 1}: load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
         for job in jobs:
             cfg, world = _config(job, args)
-            per_rank = run_forked(_rank, world, cfg, timeout_s=900)
+            per_rank = run_forked(_rank, world, cfg, args.pin, timeout_s=900)
             slowest = [max(r["times"][i] for r in per_rank) for i in range(1, args.steps)]
             step_s[job].append(statistics.median(slowest))
             peak[job].append(max(r["peak_mib"] for r in per_rank))
+            bubble[job].append(statistics.mean(
+                statistics.median(r["times"][i] / max(r["times"][i] - r["waits"][i], 1e-9)
+                                  for i in range(1, args.steps)) for r in per_rank))
     m, p = args.global_batch // args.microbatch_size, 2
     single = statistics.median(step_s["single"])
-    print(f"llama3 {args.flavor}, global batch {args.global_batch} x seq {args.seq_len}, m = {m} microbatches, "
-          f"p = {p}; median of {args.repeats} interleaved repeats")
-    print("| job | ranks | step (s) | peak RSS per rank (MiB) | step / (single / 2) | ideal 1 + (p-1)/(v m) |")
-    print("|---|---|---|---|---|---|")
+    print(f"llama3 {args.flavor}, global batch {args.global_batch} x seq {args.seq_len}, microbatch size "
+          f"{args.microbatch_size} (m = {m}), p = {p}, {'pinned: a core a rank' if args.pin else 'unpinned'}; "
+          f"median [min-max] of {args.repeats} interleaved repeats")
+    print("| job | ranks | step (s) | peak RSS per rank (MiB) | step / (single / 2) | bubble: step / (step - P2P "
+          "waits) | ideal 1 + (p-1)/(v m) |")
+    print("|---|---|---|---|---|---|---|")
     for job in jobs:
         t = statistics.median(step_s[job])
         ranks = 1 if job == "single" else 2
         ratio = f"{t / (single / 2):.2f}" if ranks == 2 else "-"
-        ideal = "-"
+        measured = ideal = "-"
         if job.startswith("pp2_"):  # v stages a rank: the bubble is (p - 1) / (v m) of the work
-            v = 1 if job[4:] in ("GPipe", "1F1B") else 2
-            ideal = f"{1 + (p - 1) / (v * m):.2f}"
-        print(f"| {job} | {ranks} | {t:.3f} | {statistics.median(peak[job]):.0f} | {ratio} | {ideal} |")
+            measured, ideal = _spread(bubble[job]), f"{1 + (p - 1) / (_v(job) * m):.3f}"
+        print(f"| {job} | {ranks} | {_spread(step_s[job])} | {statistics.median(peak[job]):.0f} | {ratio} | "
+              f"{measured} | {ideal} |")
     return 0
 
 

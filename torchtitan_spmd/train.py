@@ -60,7 +60,12 @@ from torchtitan_spmd.distributed.loss import (
     global_loss_value,
     global_token_count,
 )
-from torchtitan_spmd.distributed.moe import ExpertLoad, set_force_load_balance, update_expert_bias
+from torchtitan_spmd.distributed.moe import (
+    ExpertLoad,
+    moe_blocks,
+    set_force_load_balance,
+    update_expert_bias,
+)
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
 from torchtitan_spmd.distributed.pipeline_parallel import (
@@ -362,6 +367,8 @@ class Trainer:
         plan = self.plan
         #: This rank's pipeline stage and schedule (None without pipeline parallelism).
         self.pipeline = PipelineParallel.from_config(cfg, self.parallel_dims, model)
+        #: Whether the MoE load is pooled over the stages (PP with MoE blocks, some maybe on other stages).
+        self._moe_over_stages = self.pipeline is not None and bool(moe_blocks(model))
         if self.pipeline is not None:
             model, plan = self.pipeline.split(model, plan)
         apply_context_parallel(model, plan, self.context_parallel)
@@ -418,7 +425,8 @@ class Trainer:
                                     stage_group=pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        expert_load = update_expert_bias(self.model, rep)  # MoE load balancing (no-op for dense models)
+        # MoE load balancing (no-op for dense models); under PP the logged load is every stage's
+        expert_load = update_expert_bias(self.model, rep, stage_group=pp_group if self._moe_over_stages else None)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = sum(losses[1:], losses[0])

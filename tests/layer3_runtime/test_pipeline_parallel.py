@@ -173,16 +173,6 @@ def test_a_layers_per_stage_that_fits_builds(fake_pg: Callable[[int], None]) -> 
     assert trainer.pipeline is not None and trainer.pipeline.module_names == [["tok_embeddings", "layers.0"]]
 
 
-def test_a_csv_schedule_is_a_setup_error_naming_the_schedules(fake_pg: Callable[[int], None], tmp_path: Path) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    csv = tmp_path / "schedule.csv"
-    csv.write_text("F0,B0\n")
-    fake_pg(4)
-    with pytest.raises(ValueError, match="CSV schedules are not built.*'GPipe', '1F1B', 'Interleaved1F1B'"):
-        Trainer(_cfg(pipeline_parallel_schedule_csv=str(csv)))
-
-
 def test_a_looped_schedule_places_upstreams_stages(fake_pg: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 

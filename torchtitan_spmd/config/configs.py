@@ -334,7 +334,10 @@ class ParallelismConfig(
     """Name of a ``torch.distributed.pipelining`` schedule, e.g. ``"1F1B"`` or ``"Interleaved1F1B"``."""
 
     pipeline_parallel_schedule_csv: str | None = ""
-    """Path of a CSV file describing a custom pipeline schedule; empty for none."""
+    """Path of a CSV file describing a custom pipeline schedule (one row per pp rank of compute
+    actions such as ``0F1``, run by torch's ``_PipelineScheduleRuntime``); empty for none.
+    ``pipeline_parallel_schedule`` still sizes and places the stages: a schedule's name, or
+    ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (one stage a rank / several)."""
 
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline microbatch; ``local_batch_size`` must be a multiple of it."""

@@ -24,8 +24,9 @@ values. Gradient accumulation runs the schedule once per ``training.local_batch_
 
 Built: every schedule of ``get_schedule_class`` (measured on gloo) under every backend whose
 registry record says ``pipeline_parallel``. Under a multi-stage schedule a rank's stages are views
-of its one part (:func:`stage_view`), each an FSDP root. CSV schedules are a setup error naming
-what runs.
+of its one part (:func:`stage_view`), each an FSDP root. ``pipeline_parallel_schedule_csv`` runs
+a CSV of actions with torch's ``_PipelineScheduleRuntime`` (:func:`csv_schedule`), the stages
+sized and placed by ``pipeline_parallel_schedule`` as upstream.
 
 Stage boundaries (:class:`StageBoundaries`): torch's pipelining only ever sends, receives and
 splits plain local tensors; each stage's forward takes what it receives into the backend's form
@@ -59,8 +60,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILT_SCHEDULES",
+    "CSV_BASE_SCHEDULES",
     "PipelineParallel",
     "StageBoundaries",
+    "csv_schedule",
     "generate_llm_fqn_per_model_part",
     "split_module",
 ]
@@ -88,6 +91,83 @@ def _schedule_class_or_none(name: str) -> type | None:
         return get_schedule_class(name)
     except ValueError:
         return None
+
+
+#: With ``pipeline_parallel_schedule_csv``, upstream's names for "one stage a rank" and "several
+#: (loop placement)": torch's abstract schedule classes, which only size and place the stages.
+CSV_BASE_SCHEDULES: tuple[str, ...] = ("PipelineScheduleSingle", "PipelineScheduleMulti")
+
+
+def _csv_path(csv: str | None) -> str:
+    """``pipeline_parallel_schedule_csv`` checked at setup: "" (or None) for none, else an existing file."""
+    if not csv:
+        return ""
+    if not os.path.isfile(csv):
+        raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r}: no such file.")
+    return csv
+
+
+def _csv_base_schedule(schedule_class: type | None) -> str | None:
+    """The name of an abstract schedule class that a CSV schedule may run on (None otherwise)."""
+    return next((n for n in CSV_BASE_SCHEDULES if schedule_class is not None
+                 and _schedule_class_or_none(n) is schedule_class), None)
+
+
+def _csv_splits_backward(path: str) -> bool:
+    """Whether the CSV at ``path`` has input/weight backward actions (``I``, ``W``); what does not
+    parse counts as not (:func:`csv_schedule` reports it)."""
+    import csv
+
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, _Action
+
+    with open(path, newline="") as f:
+        cells = [cell for row in csv.reader(f) for cell in row]
+    for cell in cells:
+        try:
+            action = _Action.from_str(cell)
+        except RuntimeError:
+            continue
+        if action is not None and action.computation_type in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+            return True
+    return False
+
+
+def csv_schedule(path: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor], *,
+                 placement: Mapping[int, int], num_stages: int) -> Any:
+    """Torch's ``_PipelineScheduleRuntime`` over ``stages`` running the actions of the CSV at ``path``.
+
+    As upstream (``_build_pipeline_schedule``): torch's ``_load_csv`` reads one row per pp rank
+    of compute actions (``0F1``: stage 0 forward of microbatch 1; ``B`` full backward, ``I`` /
+    ``W`` input / weight backward), validates them and adds the sends, receives and FSDP
+    actions. At setup, each a ``ValueError`` naming the field and the file: what torch's
+    validation and lowering reject (an unparsable action, a row count other than the pp
+    degree, a stage or microbatch count other than this run's, a backward before its forward,
+    an order whose sends and receives deadlock), and a stage the file places on another rank
+    than ``pipeline_parallel_schedule`` does (``placement``: stage -> pp rank), which would
+    otherwise hang or fail in the first step.
+    """
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    field = f"parallelism.pipeline_parallel_schedule_csv={path!r}"
+    pp = len(set(placement.values()))
+    what = f"{num_stages} stages on pipeline_parallel_degree={pp} ranks, {n_microbatches} microbatches"
+    schedule = _PipelineScheduleRuntime(list(stages), n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                        scale_grads=False)
+    try:
+        schedule._load_csv(path)
+    except (AssertionError, RuntimeError, KeyError, IndexError, ValueError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, KeyError):
+            detail = f"stage {err} does not exist"
+        raise ValueError(f"{field}: not a schedule of this run ({what}): {detail}") from None
+    got = dict(schedule.stage_index_to_group_rank)
+    wrong = {s: r for s, r in sorted(got.items()) if placement.get(s) != r}
+    if wrong:
+        s, r = next(iter(wrong.items()))
+        raise ValueError(f"{field}: places stage {s} on pp rank {r}, but this run's stages are placed "
+                         f"{dict(sorted(placement.items()))} (stage: pp rank; set by "
+                         f"parallelism.pipeline_parallel_schedule).")
+    return schedule
 
 
 def generate_llm_fqn_per_model_part(num_stages: int, num_layers: int, input_weight: int = 1,
@@ -355,6 +435,9 @@ class PipelineParallel:
     group: dist.ProcessGroup
     schedule: Any = None
     loss: _StepLoss | None = None
+    #: ``pipeline_parallel_schedule_csv``: the schedule's actions from this file (torch's
+    #: ``_PipelineScheduleRuntime``), "" for the schedule class of ``schedule_name``.
+    schedule_csv: str = ""
     #: The model's state-dict keys the other stages hold (set by :meth:`split`).
     other_stage_keys: frozenset[str] = frozenset()
     #: How the stages meet the schedule (set by :meth:`build_schedule`).
@@ -381,20 +464,17 @@ class PipelineParallel:
         pp = parallel_dims.pp
         if pp <= 1:
             return None
-        csv = par.pipeline_parallel_schedule_csv
-        if csv:
-            if not os.path.isfile(csv):
-                raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r}: no such file.")
-            raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r}: CSV schedules are not built "
-                             f"in this runtime; set it to '' and pick parallelism.pipeline_parallel_schedule "
-                             f"from {list(BUILT_SCHEDULES)}.")
+        csv = _csv_path(par.pipeline_parallel_schedule_csv)
         name = par.pipeline_parallel_schedule
         schedule_class = _schedule_class_or_none(name)  # torch's lookup ignores case
         canonical = next((n for n in BUILT_SCHEDULES if _schedule_class_or_none(n) is schedule_class), None)
+        if csv and canonical is None:
+            canonical = _csv_base_schedule(schedule_class)
         if schedule_class is None or canonical is None:
             what = "unknown schedule" if schedule_class is None else "not a schedule (an abstract base class)"
+            choices = [*BUILT_SCHEDULES, *(CSV_BASE_SCHEDULES if csv else ())]
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r}: {what}; valid choices are "
-                             f"{list(BUILT_SCHEDULES)}.")
+                             f"{choices}.")
         name = canonical
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -424,7 +504,11 @@ class PipelineParallel:
                              f"stages a rank), but {where} {num_stages} stages, {per_rank} a rank at "
                              f"pipeline_parallel_degree={pp}.")
         ac_mode = job_config.activation_checkpoint.mode
-        if name in SPLIT_BACKWARD_SCHEDULES and ac_mode == "selective":
+        if csv and ac_mode == "selective" and _csv_splits_backward(csv):
+            raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r} splits backwards in two (I and W "
+                             f"actions), which activation_checkpoint.mode='selective' cannot run; use mode 'full' or "
+                             f"'none', or full backwards (B).")
+        if name in SPLIT_BACKWARD_SCHEDULES and ac_mode == "selective" and not csv:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} splits each backward in two, which "
                              f"activation_checkpoint.mode='selective' cannot run; use mode 'full' or 'none', or a "
                              f"schedule of {[n for n in BUILT_SCHEDULES if n not in SPLIT_BACKWARD_SCHEDULES]}.")
@@ -449,7 +533,7 @@ class PipelineParallel:
             indices = [pp_rank + s * pp for s in range(per_rank)]
         return cls(schedule_name=name, num_stages=num_stages, stage_indices=indices,
                    module_names=[list(parts[i]) for i in indices], n_microbatches=training.local_batch_size // mb,
-                   group=pp_mesh.get_group())
+                   group=pp_mesh.get_group(), schedule_csv=csv)
 
     def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
         """This stage's part of ``model`` (meta) and the plan restricted to it."""
@@ -477,6 +561,12 @@ class PipelineParallel:
         stages = [PipelineStage(m, i, self.num_stages, torch.device(device), group=self.group)
                   for m, i in zip(modules, self.stage_indices, strict=True)]
         self.loss = _StepLoss(loss_fn, boundaries, **loss_kwargs)
+        if self.schedule_csv:
+            self.schedule = csv_schedule(self.schedule_csv, stages, self.n_microbatches, self.loss,
+                                         placement=self.placement(), num_stages=self.num_stages)
+            logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
+                        f"schedule from {self.schedule_csv}, {self.n_microbatches} microbatches a local batch")
+            return
         schedule_class = get_schedule_class(self.schedule_name)
         try:
             self.schedule = schedule_class(stages[0] if len(stages) == 1 else stages,
@@ -487,6 +577,16 @@ class PipelineParallel:
                              f"pipeline_parallel_microbatch_size) and {self.num_stages} stages: {err}") from None
         logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
                     f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
+
+    def placement(self) -> dict[int, int]:
+        """Every stage's pp rank: ``s % pp`` (loop placement), V-shaped schedules ``s`` for the
+        first ``pp`` stages and ``2 pp - 1 - s`` for the others (upstream's)."""
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+        pp = self.group.size()
+        v_shaped = issubclass(_schedule_class_or_none(self.schedule_name) or type, ScheduleZBVZeroBubble |
+                              ScheduleDualPipeV)
+        return {s: (s if s < pp else 2 * pp - 1 - s) if v_shaped else s % pp for s in range(self.num_stages)}
 
     def stage_modules(self, part: nn.Module) -> list[nn.Module]:
         """The module each of this rank's stages runs: ``part`` itself for one stage a rank; for

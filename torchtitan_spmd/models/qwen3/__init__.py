@@ -61,25 +61,11 @@ FLAVORS: dict[str, Qwen3Config] = {
 MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.moe_enabled)
 
 
-def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what the MoE flavours do not run yet: pipeline parallelism. (They run tensor
-    parallelism of the experts, :func:`~.plan.moe_plan`; context parallelism, the router being per
-    token; ``torch.compile`` of the blocks; Hugging Face weights as transformers'
-    ``Qwen3MoeForCausalLM``. ``debug.moe_force_load_balance`` on a dense model: the trainer's
-    :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
-    pp = parallel_dims.pp
-    if config.moe_enabled and pp > 1:
-        field = "parallelism.pipeline_parallel_degree"
-        raise ValueError(f"{field}={pp}: pipeline parallelism does not run with a mixture-of-experts model yet "
-                         f"(model.flavor={job_config.model.flavor!r}); set {field}=1 (data, tensor and context "
-                         "parallelism run it).")
-
-
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError when ``training.seq_len`` does not fit, tensor parallelism cannot shard ``config``
-    evenly, or the MoE flavours meet what they do not run yet (:func:`validate_moe`)."""
+    """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config``
+    evenly. (The MoE flavours run every parallelism here but EP, whose degree ``ParallelDims`` and the
+    trainer reject, and pipeline parallelism with the other techniques.)"""
     check_seq_len(config.max_seq_len, job_config)
-    validate_moe(config, job_config, parallel_dims)
     sizes = {
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,
