@@ -1,0 +1,249 @@
+"""Technique: expert parallelism (EP) -- experts sharded over ``ep``, tokens exchanged all-to-all.
+
+As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * cp * tp``
+(:class:`~torchtitan_spmd.distributed.parallel_dims.ParallelDims`); ``efsdp`` is the rest:
+
+- every MoE block's grouped expert weights ``w1, w2, w3`` (``[num_experts, ...]``) are
+  ``Shard(0)`` on ``ep``: rank ``r`` of the ``ep`` group holds experts
+  ``r * E/ep ... (r + 1) * E/ep - 1`` (:meth:`TensorRepresentation.distribute_experts`, one
+  line per backend); their checkpointed shape is the global one;
+- FSDP2 shards those weights over ``efsdp`` (``dp_replicate x efsdp`` for HSDP), one
+  ``fully_shard`` per expert module before the blocks' (:func:`apply_expert_fsdp`); every other
+  parameter is FSDP-sharded over ``fsdp`` as without EP;
+- in the forward, each rank routes its own tokens, sorts the (token, choice) rows by global
+  expert, and :class:`AllToAllDispatcher` sends each row to the rank holding its expert: the
+  counts per expert first (one ``all_to_all_single`` of ``E`` integers, no gradient), then the
+  rows (``all_to_all_single`` of variable splits through torch's functional collectives with
+  autograd). The rows that arrive are reordered from source-rank-major to local-expert-major,
+  run through this rank's experts, put back, and returned the same way (the combine). The
+  weighted sum per token stays on the token's rank (:class:`~torchtitan_spmd.models.moe.GroupedExperts`).
+  Backward is the transpose: the gradients take the same two all-to-alls in reverse.
+- under ``spmd_types`` the exchange is typed (:mod:`~torchtitan_spmd.distributed.representations.spmd_types`):
+  the dispatch is a sparse all-gather (``V -> R`` on ``ep``), the experts' output a pending sum
+  (``P``: each rank's experts' share of every token of its group) and the combine a sparse
+  reduce-scatter (``P -> V``), so with ``--debug.spmd_typechecking`` a missing combine is an
+  ``SpmdTypeError``.
+
+Not here yet (setup errors, :func:`validate_expert_parallel`): EP with tensor, context or pipeline
+parallelism, and ``expert_tensor_parallel_degree`` other than 1.
+
+Hand-rolled: the rank-major to expert-major permutation (torch has no op for it; upstream
+computes it the same way) and the split bookkeeping around torch's ``all_to_all_single``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchtitan_spmd.models.moe import GroupedExperts
+
+from .layout import S, SpmdLayout
+from .representation import StateLayout, TensorRepresentation
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+
+    from .parallel_dims import ParallelDims
+
+__all__ = [
+    "EXPERT_LAYOUT",
+    "EXPERT_WEIGHTS",
+    "AllToAllDispatcher",
+    "DispatchState",
+    "apply_expert_fsdp",
+    "apply_expert_parallel",
+    "expert_modules",
+    "validate_expert_parallel",
+]
+
+#: The grouped weights of :class:`GroupedExperts` that EP shards (dim 0: the expert).
+EXPERT_WEIGHTS: tuple[str, ...] = ("w1", "w2", "w3")
+#: Their layout: ``Shard(0)`` on ``ep``.
+EXPERT_LAYOUT = SpmdLayout({"ep": S(0)})
+
+#: An all-to-all with autograd: ``(rows, output_split_sizes, input_split_sizes) -> rows``.
+Exchange = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, GroupedExperts]]:
+    """``(fqn, module)`` of every :class:`GroupedExperts` of ``model``, in model order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+# ======================================================================================
+# Setup errors
+# ======================================================================================
+def _moe_flavors() -> str:
+    from torchtitan_spmd.models import get_model_spec, model_families
+
+    names = []
+    for family in model_families():
+        spec = get_model_spec(family)
+        names += [f"{family} {flavor!r}" for flavor, c in spec.flavors.items() if getattr(c, "moe_enabled", False)]
+    return ", ".join(names) or "none"
+
+
+def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError at setup for what expert parallelism cannot run.
+
+    ``expert_tensor_parallel_degree`` must be 1 or ``tensor_parallel_degree`` (upstream's rule);
+    only 1 runs here. With ``expert_parallel_degree > 1``: a dense model (the MoE flavours are
+    named), experts not divisible by ``ep``, and EP with tensor, context or pipeline parallelism.
+    (``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
+    """
+    par, pd = job_config.parallelism, parallel_dims
+    etp = getattr(par, "expert_tensor_parallel_degree", 1)
+    if etp != 1:
+        valid = "1" if pd.tp == 1 else f"1 or tensor_parallel_degree={pd.tp}"
+        what = ("tensor parallelism of the experts is not implemented yet" if etp == pd.tp
+                else f"it must be {valid} (as upstream)")
+        raise ValueError(f"parallelism.expert_tensor_parallel_degree={etp}: {what}; set it to 1.")
+    if not pd.ep_enabled:
+        return
+    ep = f"parallelism.expert_parallel_degree={pd.ep}"
+    if not getattr(model_config, "moe_enabled", False):
+        raise ValueError(f"{ep} needs a mixture-of-experts model, and model.name={job_config.model.name!r} "
+                         f"model.flavor={job_config.model.flavor!r} is dense; the MoE flavours: {_moe_flavors()}. "
+                         "Or set parallelism.expert_parallel_degree=1.")
+    if model_config.num_experts % pd.ep:
+        divisors = [d for d in range(1, model_config.num_experts + 1) if model_config.num_experts % d == 0]
+        raise ValueError(f"{ep}: the model's num_experts={model_config.num_experts} is not divisible by it "
+                         f"(model.flavor={job_config.model.flavor!r}); valid degrees divide it: {divisors}.")
+    combos = {
+        "parallelism.tensor_parallel_degree": (pd.tp, "tensor parallelism"),
+        "parallelism.context_parallel_degree": (pd.cp, "context parallelism"),
+        "parallelism.pipeline_parallel_degree": (pd.pp, "pipeline parallelism"),
+    }
+    for field, (degree, what) in combos.items():
+        if degree > 1:
+            raise ValueError(f"{ep} with {field}={degree}: expert parallelism does not run with {what} yet; "
+                             f"set {field}=1 (EP borrows its ranks from data_parallel_shard_degree), or "
+                             "parallelism.expert_parallel_degree=1.")
+
+
+# ======================================================================================
+# The token exchange
+# ======================================================================================
+@dataclass(frozen=True)
+class DispatchState:
+    """What :meth:`AllToAllDispatcher.combine` needs from its dispatch.
+
+    ``perm``: the arrived rows' positions in local-expert-major order; ``sent`` / ``received``:
+    rows sent to / received from each rank of the ``ep`` group.
+    """
+
+    perm: torch.Tensor
+    sent: list[int]
+    received: list[int]
+
+
+def functional_all_to_all(group: dist.ProcessGroup) -> Exchange:
+    """``all_to_all_single`` of variable splits over ``group`` with autograd (torch's functional
+    collectives: the backward is the transposed all-to-all); the group's timeout applies."""
+    def exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        out = funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
+        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+    return exchange
+
+
+class AllToAllDispatcher:
+    """The expert-parallel token exchange of one MoE block over the ``ep`` group
+    (the :class:`~torchtitan_spmd.models.moe.TokenDispatcher` of its :class:`GroupedExperts`).
+
+    ``exchange``: the rows' all-to-all (with autograd); the representation may type it.
+    ``num_experts``: the global count (a multiple of the group size).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, *,
+                 dispatch_exchange: Exchange, combine_exchange: Exchange) -> None:
+        self.group, self.num_experts = group, num_experts
+        self.ep = group.size()
+        if num_experts % self.ep:
+            raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by ep={self.ep}.")
+        self.local_experts = num_experts // self.ep
+        self._dispatch, self._combine = dispatch_exchange, combine_exchange
+
+    def counts_from_every_rank(self, counts: torch.Tensor) -> torch.Tensor:
+        """``[ep, local_experts]``: how many rows each rank sends to each of this rank's experts
+        (one ``all_to_all_single`` of the ``num_experts`` counts; no gradient)."""
+        with torch.no_grad():
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        return received.view(self.ep, self.local_experts)
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """See :meth:`TokenDispatcher.dispatch`: the rows of this rank's experts, local-expert-major."""
+        by_rank = self.counts_from_every_rank(counts)
+        sent = counts.view(self.ep, self.local_experts).sum(dim=1).tolist()
+        received = by_rank.sum(dim=1).tolist()
+        arrived = self._dispatch(rows, received, sent)
+        # Arrived rows are (source rank, local expert)-major; the experts want (local expert, rank).
+        segment = torch.arange(self.ep * self.local_experts, device=rows.device)
+        key = (segment % self.local_experts) * self.ep + segment // self.local_experts
+        perm = torch.argsort(key.repeat_interleave(by_rank.reshape(-1)), stable=True)
+        return arrived[perm], by_rank.sum(dim=0), DispatchState(perm=perm, sent=sent, received=received)
+
+    def combine(self, out: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """See :meth:`TokenDispatcher.combine`: the experts' rows back, in dispatch's order."""
+        back = out[torch.argsort(state.perm)]
+        return self._combine(back, state.sent, state.received)
+
+
+# ======================================================================================
+# Applying it
+# ======================================================================================
+def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation,
+                          states: MutableMapping[str, StateLayout]) -> None:
+    """Shard every expert module's weights ``Shard(0)`` on ``ep`` and install its dispatcher.
+
+    After :func:`~torchtitan_spmd.distributed.apply_plan.apply_plan` (on the meta device):
+    ``states`` (its result) records the experts' layout and global shape for initialisation and
+    checkpoints. No-op without expert parallelism.
+    """
+    pd = representation.parallel_dims
+    if not pd.ep_enabled:
+        return
+    group = pd.get_mesh("ep").get_group()  # its timeout (comm.set_pg_timeouts) governs every exchange
+    for fqn, experts in expert_modules(model):
+        for name in EXPERT_WEIGHTS:
+            key = f"{fqn}.{name}"
+            states[key] = StateLayout(EXPERT_LAYOUT, states[key].global_shape)
+            experts._parameters[name] = representation.distribute_experts(experts._parameters[name])  # type: ignore[arg-type]
+        dispatch, combine = representation.expert_exchanges(group)
+        experts.dispatcher = AllToAllDispatcher(group, experts.num_experts, dispatch_exchange=dispatch,
+                                                combine_exchange=combine)
+
+
+def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,
+                      param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                      reshard_after_forward: bool | None = None) -> list[nn.Module]:
+    """``fully_shard`` every expert module over the representation's expert FSDP mesh
+    (``efsdp``, with ``dp_replicate`` for HSDP) with the dense units' mixed-precision policy,
+    before :func:`~torchtitan_spmd.distributed.fsdp.apply_fsdp` shards the blocks over ``fsdp``
+    (which then leaves the expert weights to these units); returns the units. No-op without
+    expert parallelism."""
+    spec = representation.expert_fsdp_spec()
+    if spec is None:
+        return []
+    kwargs: dict[str, Any] = {
+        "mesh": spec.mesh, "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                          cast_forward_inputs=False),
+    }
+    if spec.dp_mesh_dims is not None:
+        kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
+    units = [m for _, m in expert_modules(model)]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
+    return units
