@@ -33,7 +33,7 @@ computes it the same way) and the split bookkeeping around torch's ``all_to_all_
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "EXPERT_WEIGHTS",
     "AllToAllDispatcher",
     "DispatchState",
+    "ExpertExchange",
     "apply_expert_fsdp",
     "apply_expert_parallel",
     "expert_modules",
@@ -68,10 +69,6 @@ __all__ = [
 EXPERT_WEIGHTS: tuple[str, ...] = ("w1", "w2", "w3")
 #: Their layout: ``Shard(0)`` on ``ep``.
 EXPERT_LAYOUT = SpmdLayout({"ep": S(0)})
-
-#: An all-to-all with autograd: ``(rows, output_split_sizes, input_split_sizes) -> rows``.
-Exchange = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
-
 
 def expert_modules(model: nn.Module) -> list[tuple[str, GroupedExperts]]:
     """``(fqn, module)`` of every :class:`GroupedExperts` of ``model``, in model order."""
@@ -145,39 +142,48 @@ class DispatchState:
     received: list[int]
 
 
-def functional_all_to_all(group: dist.ProcessGroup) -> Exchange:
-    """``all_to_all_single`` of variable splits over ``group`` with autograd (torch's functional
-    collectives: the backward is the transposed all-to-all); the group's timeout applies."""
-    def exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        out = funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
-        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+class ExpertExchange:
+    """The collectives of expert parallelism over the ``ep`` group: torch's ``all_to_all_single``
+    (the rows' through the functional collectives, with autograd: the backward is the transposed
+    all-to-all). The group's timeout applies. A representation may type them (``spmd_types``)."""
 
-    return exchange
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Rank ``r`` gets chunk ``r`` of every rank's ``counts`` (even chunks; no gradient)."""
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        return received
+
+    def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], *,
+             combine: bool) -> torch.Tensor:
+        """``input_splits[r]`` rows to rank ``r``, ``output_splits[r]`` from it (``combine``: the way
+        back, after the experts)."""
+        out = funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, self.group)
+        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 class AllToAllDispatcher:
     """The expert-parallel token exchange of one MoE block over the ``ep`` group
     (the :class:`~torchtitan_spmd.models.moe.TokenDispatcher` of its :class:`GroupedExperts`).
 
-    ``exchange``: the rows' all-to-all (with autograd); the representation may type it.
+    ``exchange``: the collectives (the representation's, :meth:`TensorRepresentation.expert_exchange`);
     ``num_experts``: the global count (a multiple of the group size).
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, *,
-                 dispatch_exchange: Exchange, combine_exchange: Exchange) -> None:
-        self.group, self.num_experts = group, num_experts
-        self.ep = group.size()
+    def __init__(self, exchange: ExpertExchange, num_experts: int) -> None:
+        self.exchange, self.num_experts = exchange, num_experts
+        self.ep = exchange.group.size()
         if num_experts % self.ep:
             raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by ep={self.ep}.")
         self.local_experts = num_experts // self.ep
-        self._dispatch, self._combine = dispatch_exchange, combine_exchange
 
     def counts_from_every_rank(self, counts: torch.Tensor) -> torch.Tensor:
         """``[ep, local_experts]``: how many rows each rank sends to each of this rank's experts
-        (one ``all_to_all_single`` of the ``num_experts`` counts; no gradient)."""
+        (one all-to-all of the ``num_experts`` counts; no gradient)."""
         with torch.no_grad():
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+            received = self.exchange.counts(counts)
         return received.view(self.ep, self.local_experts)
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
@@ -185,7 +191,7 @@ class AllToAllDispatcher:
         by_rank = self.counts_from_every_rank(counts)
         sent = counts.view(self.ep, self.local_experts).sum(dim=1).tolist()
         received = by_rank.sum(dim=1).tolist()
-        arrived = self._dispatch(rows, received, sent)
+        arrived = self.exchange.rows(rows, received, sent, combine=False)
         # Arrived rows are (source rank, local expert)-major; the experts want (local expert, rank).
         segment = torch.arange(self.ep * self.local_experts, device=rows.device)
         key = (segment % self.local_experts) * self.ep + segment // self.local_experts
@@ -195,7 +201,7 @@ class AllToAllDispatcher:
     def combine(self, out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """See :meth:`TokenDispatcher.combine`: the experts' rows back, in dispatch's order."""
         back = out[torch.argsort(state.perm)]
-        return self._combine(back, state.sent, state.received)
+        return self.exchange.rows(back, state.sent, state.received, combine=True)
 
 
 # ======================================================================================
@@ -218,9 +224,7 @@ def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation
             key = f"{fqn}.{name}"
             states[key] = StateLayout(EXPERT_LAYOUT, states[key].global_shape)
             experts._parameters[name] = representation.distribute_experts(experts._parameters[name])  # type: ignore[arg-type]
-        dispatch, combine = representation.expert_exchanges(group)
-        experts.dispatcher = AllToAllDispatcher(group, experts.num_experts, dispatch_exchange=dispatch,
-                                                combine_exchange=combine)
+        experts.dispatcher = AllToAllDispatcher(representation.expert_exchange(group), experts.num_experts)
 
 
 def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,

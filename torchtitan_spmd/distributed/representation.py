@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from torchtitan_spmd.config import JobConfig
 
+    from .expert_parallel import ExpertExchange
     from .parallel_dims import ParallelDims
     from .plan import ShardingPlan
 
@@ -296,14 +297,12 @@ class TensorRepresentation(ABC):
         ep = self.parallel_dims.get_mesh("ep")
         return as_parameter_like(tensor, distribute_tensor(tensor.detach(), ep, [Shard(0)], src_data_rank=None))
 
-    def expert_exchanges(self, group: dist.ProcessGroup) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-        """The dispatch and combine all-to-alls of expert parallelism over ``group`` (``ep``), each
-        ``(rows, output_splits, input_splits) -> rows`` with autograd: torch's functional
-        ``all_to_all_single`` (``spmd_types`` types them)."""
-        from .expert_parallel import functional_all_to_all
+    def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
+        """The collectives of expert parallelism over ``group`` (``ep``): torch's ``all_to_all_single``,
+        the rows' with autograd (``spmd_types`` types them)."""
+        from .expert_parallel import ExpertExchange
 
-        exchange = functional_all_to_all(group)
-        return exchange, exchange
+        return ExpertExchange(group)
 
     def expert_fsdp_spec(self) -> FsdpSpec | None:
         """What ``fully_shard`` shards the expert modules over under expert parallelism: ``efsdp``

@@ -53,6 +53,7 @@ from ...apply_plan import resolve_state
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
+    describe_unsupported,
     StateLayout,
     TensorRepresentation,
     as_parameter_like,
@@ -123,6 +124,16 @@ class SpmdTypesRepresentation(TensorRepresentation):
                 "its activation checkpointing applies an autograd Function the type checker rejects",
                 "Set activation_checkpoint.mode='none' for the type-checked run, or upgrade torch.",
             )
+
+        if job_config.debug.spmd_typechecking and self.parallel_dims.ep_enabled:
+            # Measured: the tokens are typed on dp, and ep is a sub-axis of dp_shard; spmd_types
+            # cannot type one tensor on both ("axes ... are not orthogonal"), and its checker
+            # rejects an all-to-all of rows not typed on ep.
+            raise ValueError(describe_unsupported(
+                self.name, f"debug.spmd_typechecking=True with parallelism.expert_parallel_degree="
+                f"{self.parallel_dims.ep} (not implemented yet: the ep axis overlaps dp, and a tensor "
+                "cannot be typed on both)", "train it unchecked (debug.spmd_typechecking=False), or check "
+                "the MoE model with parallelism.expert_parallel_degree=1."))
 
     def _check_fsdp_support(self) -> None:
         self.require_torch_for_data_parallel(
@@ -262,6 +273,32 @@ class SpmdTypesRepresentation(TensorRepresentation):
 
         param.register_hook(hook)
         setattr(param, _TP_GRAD_HOOKED, True)
+
+    # ------------------------------------------------------------------ expert parallelism
+    def _sparse_storage(self) -> tuple[DeviceMesh, Any]:
+        """The experts' FSDP storage mesh ``(dp_replicate, efsdp, ep)`` (``dp_replicate`` when active;
+        ``efsdp`` always: it spans the ranks of ``ep`` times its size) and its ``DataParallelMeshDims``."""
+        from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.13 (checked at setup)
+
+        pd = self.parallel_dims
+        names = ["dp_replicate", "efsdp", "ep"] if pd.dp_replicate_enabled else ["efsdp", "ep"]
+        mesh = pd.get_mesh(names)
+        return mesh, DataParallelMeshDims(shard="efsdp", replicate="dp_replicate" if pd.dp_replicate_enabled else None)
+
+    def distribute_experts(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's experts as a plain tensor typed ``S(0)`` on ``ep`` and ``R`` on the expert
+        data-parallel axes (what FSDP's storage wants; the MoE body reads them in a local region)."""
+        mesh, _ = self._sparse_storage()
+        layout = SpmdLayout({"ep": st.S(0)})
+        value = as_parameter_like(tensor, distribute_tensor(tensor, mesh, layout))
+        annotate(value, *state_type(layout, mesh))
+        return value
+
+    def expert_fsdp_spec(self) -> FsdpSpec | None:
+        if not self.parallel_dims.ep_enabled:
+            return None
+        mesh, dims = self._sparse_storage()
+        return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
 
     # ------------------------------------------------------------------ state
     def materialize(self, model: nn.Module, states: Mapping[str, StateLayout],
