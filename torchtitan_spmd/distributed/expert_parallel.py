@@ -45,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtitan_spmd.models.moe import GroupedExperts
 
+from .fsdp import clear_dtensor_sharding_caches
 from .layout import S, SpmdLayout
 from .representation import StateLayout, TensorRepresentation
 
@@ -218,6 +219,7 @@ def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation
     pd = representation.parallel_dims
     if not pd.ep_enabled:
         return
+    clear_dtensor_sharding_caches()  # the experts' DTensors must be on this trainer's meshes
     group = pd.get_mesh("ep").get_group()  # its timeout (comm.set_pg_timeouts) governs every exchange
     for fqn, experts in expert_modules(model):
         for name in EXPERT_WEIGHTS:
@@ -244,6 +246,7 @@ def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,
                                           cast_forward_inputs=False),
     }
     if spec.dp_mesh_dims is not None:
+        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
         kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
     units = [m for _, m in expert_modules(model)]
     for unit in units:

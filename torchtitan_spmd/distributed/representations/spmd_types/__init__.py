@@ -53,10 +53,10 @@ from ...apply_plan import resolve_state
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
-    describe_unsupported,
     StateLayout,
     TensorRepresentation,
     as_parameter_like,
+    describe_unsupported,
 )
 from .layout_types import annotate, distribute_tensor, layout_type, state_type, with_batch_axis
 from .mesh_context import active, axis_names, group
