@@ -118,6 +118,52 @@ def test_ep_parity_with_the_reference(backend: str) -> None:
         print(f"\nEP {backend} {layout}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
 
 
+# ------------------------------------------------------------------------------ type checking
+@pytest.mark.multiproc
+def test_ep_type_checked_parity_with_the_reference() -> None:
+    """spmd_types FSDP 4 x EP 2 with ``--debug.spmd_typechecking``: every step checked, on the curve."""
+    _skip_old_torch("spmd_types")
+    (per_rank,) = run_many([ep_config("spmd_types", 2, spmd_typechecking=True)])
+    loss_diff, norm_diff = check_moe_parity([(s[1], s[2]) for s in per_rank[0]["steps"]], "fsdp4")
+    print(f"\nEP spmd_types fsdp4_ep2 type-checked: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
+
+
+def _train_without_the_combine(rank: int, world: int, cfg: JobConfig) -> list[float]:
+    """The combine's all-to-all left out (planted): the experts' rows stay where they were computed."""
+    from torchtitan_spmd.distributed.expert_parallel import AllToAllDispatcher
+    from torchtitan_spmd.train import Trainer
+
+    def combine(self: AllToAllDispatcher, out: torch.Tensor, state: Any) -> torch.Tensor:
+        return self.exchange.expert_output(out[torch.argsort(state.perm)])
+
+    AllToAllDispatcher.combine = combine  # type: ignore[method-assign]  # this forked rank only
+    trainer = Trainer(cfg)
+    try:
+        return [r.loss for r in trainer.run()]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.multiproc
+def test_the_checker_catches_a_missing_combine() -> None:
+    """With ``debug.moe_force_load_balance`` every rank sends and gets as many rows, so leaving the
+    combine out changes no shape: unchecked it trains, off the curve; checked, the experts' pending
+    sum (``P@ep``) reaching the block's ``dp``-typed arithmetic is an ``SpmdTypeError``."""
+    from parity_helpers import warm_parent
+
+    from torchtitan_spmd.launcher import WorkerError
+
+    _skip_old_torch("spmd_types")
+    warm_parent()
+    unchecked = run_forked(_train_without_the_combine, WORLD,
+                           ep_config("spmd_types", 2, moe_force_load_balance=True), timeout_s=300)[0]
+    good = run_many([ep_config("spmd_types", 2, moe_force_load_balance=True)])[0][0]["steps"]
+    assert max_rel(unchecked, [s[1] for s in good]) > 1e-5  # silently wrong without the checker
+    with pytest.raises(WorkerError, match=r"SpmdTypeError.*mesh_ep has type P"):
+        run_forked(_train_without_the_combine, WORLD,
+                   ep_config("spmd_types", 2, moe_force_load_balance=True, spmd_typechecking=True), timeout_s=300)
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def _copy_step(src: Path, step: int, dst: Path) -> None:
     shutil.copytree(src / "checkpoint" / f"step-{step}", dst / "checkpoint" / f"step-{step}")
@@ -172,17 +218,12 @@ def _moe_cfg(backend: str = "default", flavor: str = "moe_tiny", model: str = "q
      ["parallelism.expert_tensor_parallel_degree=2", "must be 1"]),
     (4, _moe_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
      ["parallelism.expert_tensor_parallel_degree=2", "not implemented yet", "set it to 1"]),
-    (4, _moe_cfg("spmd_types", data_parallel_shard_degree=4, expert_parallel_degree=2, **{}),
-     None),  # placeholder replaced below: type checking
 ], ids=["ep-not-dividing", "dense-model", "ep-with-tp", "ep-with-cp", "ep-with-pp", "etp-not-1-or-tp",
-        "etp-equal-tp", "typecheck"])
+        "etp-equal-tp"])
 def test_expert_parallel_setup_errors(fake_pg: Callable[[int], None], world: int, cfg: JobConfig,
-                                      needles: list[str] | None) -> None:
+                                      needles: list[str]) -> None:
     from torchtitan_spmd.train import Trainer
 
-    if needles is None:
-        cfg.debug.spmd_typechecking = True
-        needles = ["debug.spmd_typechecking=True", "expert_parallel_degree=2", "not implemented yet"]
     fake_pg(world)
     with pytest.raises(ValueError) as err:
         Trainer(cfg)

@@ -33,7 +33,8 @@ computes it the same way) and the split bookkeeping around torch's ``all_to_all_
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +158,14 @@ class ExpertExchange:
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)
         return received
 
+    def expert_side(self) -> AbstractContextManager[None]:
+        """The context from dispatch to combine (``spmd_types``: the ``ep`` mesh current)."""
+        return nullcontext()
+
+    def expert_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The local experts' output rows, before the combine (``spmd_types``: typed ``P`` on ``ep``)."""
+        return out
+
     def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], *,
              combine: bool) -> torch.Tensor:
         """``input_splits[r]`` rows to rank ``r``, ``output_splits[r]`` from it (``combine``: the way
@@ -201,8 +210,16 @@ class AllToAllDispatcher:
 
     def combine(self, out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """See :meth:`TokenDispatcher.combine`: the experts' rows back, in dispatch's order."""
-        back = out[torch.argsort(state.perm)]
+        back = self.exchange.expert_output(out[torch.argsort(state.perm)])
         return self.exchange.rows(back, state.sent, state.received, combine=True)
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor,
+            experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """See :meth:`TokenDispatcher.run`: dispatch, this rank's ``experts``, combine (in the
+        exchange's :meth:`ExpertExchange.expert_side`)."""
+        with self.exchange.expert_side():
+            local_rows, local_counts, state = self.dispatch(rows, counts)
+            return self.combine(experts(local_rows, local_counts), state)
 
 
 # ======================================================================================

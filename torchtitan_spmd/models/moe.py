@@ -32,6 +32,7 @@ parameters and buffers may be DTensors, which it reads through :func:`_local`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -55,6 +56,11 @@ class TokenDispatcher(Protocol):
 
     def combine(self, out: torch.Tensor, state: Any) -> torch.Tensor:
         """The local experts' outputs back to the ranks and in the order ``dispatch`` took them from."""
+        ...
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor,
+            experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``combine(experts(dispatch(rows, counts)))``: each row through its expert, wherever it is."""
         ...
 
 
@@ -145,8 +151,7 @@ class GroupedExperts(nn.Module):
         expert (``dispatcher``: dispatch, this rank's experts on what arrives, combine)."""
         if self.dispatcher is None:
             return self.expert_outputs(rows, counts)
-        local_rows, local_counts, state = self.dispatcher.dispatch(rows, counts)
-        return self.dispatcher.combine(self.expert_outputs(local_rows, local_counts), state)
+        return self.dispatcher.run(rows, counts, self.expert_outputs)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t`` of ``x`` ``[T, dim]``.

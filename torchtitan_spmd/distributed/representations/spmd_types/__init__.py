@@ -50,14 +50,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ...apply_plan import resolve_state
+from ...expert_parallel import ExpertExchange
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
     StateLayout,
     TensorRepresentation,
     as_parameter_like,
-    describe_unsupported,
 )
+from .expert_exchange import TypedExpertExchange
 from .layout_types import annotate, distribute_tensor, layout_type, state_type, with_batch_axis
 from .mesh_context import active, axis_names, group
 from .redistribute import redistribute_per_axis, validate_redistributions
@@ -124,16 +125,6 @@ class SpmdTypesRepresentation(TensorRepresentation):
                 "its activation checkpointing applies an autograd Function the type checker rejects",
                 "Set activation_checkpoint.mode='none' for the type-checked run, or upgrade torch.",
             )
-
-        if job_config.debug.spmd_typechecking and self.parallel_dims.ep_enabled:
-            # Measured: the tokens are typed on dp, and ep is a sub-axis of dp_shard; spmd_types
-            # cannot type one tensor on both ("axes ... are not orthogonal"), and its checker
-            # rejects an all-to-all of rows not typed on ep.
-            raise ValueError(describe_unsupported(
-                self.name, f"debug.spmd_typechecking=True with parallelism.expert_parallel_degree="
-                f"{self.parallel_dims.ep} (not implemented yet: the ep axis overlaps dp, and a tensor "
-                "cannot be typed on both)", "train it unchecked (debug.spmd_typechecking=False), or check "
-                "the MoE model with parallelism.expert_parallel_degree=1."))
 
     def _check_fsdp_support(self) -> None:
         self.require_torch_for_data_parallel(
@@ -293,6 +284,13 @@ class SpmdTypesRepresentation(TensorRepresentation):
         value = as_parameter_like(tensor, distribute_tensor(tensor, mesh, layout))
         annotate(value, *state_type(layout, mesh))
         return value
+
+    def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
+        """:class:`TypedExpertExchange`: the expert side typed on ``(dp_replicate, efsdp, ep)``."""
+        pd = self.parallel_dims
+        mesh, _ = self._sparse_storage()
+        sparse = [mesh.get_group(n) for n in mesh.mesh_dim_names or () if pd.axis_size(n) > 1]
+        return TypedExpertExchange(group, [self._mesh().get_group(_DP)], sparse, mesh)
 
     def expert_fsdp_spec(self) -> FsdpSpec | None:
         if not self.parallel_dims.ep_enabled:
