@@ -114,7 +114,6 @@ def _moe_cfg(backend: str = "default", **overrides: dict) -> JobConfig:
 
 
 @pytest.mark.parametrize(("overrides", "needles"), [
-    ({"parallelism": {"expert_parallel_degree": 2}}, ["expert parallelism (not implemented yet)", "moe_tiny"]),
     ({"parallelism": {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}},
      ["parallelism.tensor_parallel_degree=2", "mixture-of-experts", "tensor_parallel_degree=1"]),
     ({"parallelism": {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "spmd_backend": "full_dtensor"}},
@@ -123,7 +122,7 @@ def _moe_cfg(backend: str = "default", **overrides: dict) -> JobConfig:
      ["parallelism.pipeline_parallel_degree=2", "mixture-of-experts"]),
     ({"compile": {"enable": True}}, ["compile.enable", "mixture-of-experts", "'loss'"]),
     ({"checkpoint": {"enable": True, "last_save_in_hf": True}}, ["checkpoint.last_save_in_hf", "mixture-of-experts"]),
-], ids=["ep", "tp", "cp", "pp", "compile", "hf"])
+], ids=["tp", "cp", "pp", "compile", "hf"])  # EP: test_expert_parallel.py
 def test_what_moe_does_not_run_yet_fails_at_setup(fake_pg: Callable[[int], None], overrides: dict,
                                                   needles: list[str]) -> None:
     from torchtitan_spmd.train import Trainer

@@ -87,7 +87,6 @@ def test_representation_is_registered_and_imports_the_library() -> None:
     ("degrees", "needles"),
     [
         ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
-        ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
     ],
 )
 def test_unsupported_combinations_fail_at_setup(fake_world: Callable[[int], None], degrees: dict,
