@@ -118,6 +118,18 @@ def test_ep_parity_with_the_reference(backend: str) -> None:
         print(f"\nEP {backend} {layout}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
 
 
+@pytest.mark.multiproc
+def test_ep_composes_with_hsdp_accumulation_and_ac() -> None:
+    """``default`` HSDP 2 x 2 x EP 2 (``efsdp`` 1 within each replica), two accumulation microbatches,
+    selective activation checkpointing: on the reference's curve."""
+    from moe_helpers import moe_config
+
+    cfg = moe_config("default", "hsdp_accum_ac")
+    cfg.parallelism.expert_parallel_degree = 2
+    (per_rank,) = run_many([cfg])
+    check_moe_parity([(s[1], s[2]) for s in per_rank[0]["steps"]], "hsdp_accum_ac")
+
+
 # ------------------------------------------------------------------------------ type checking
 @pytest.mark.multiproc
 def test_ep_type_checked_parity_with_the_reference() -> None:
