@@ -5,8 +5,8 @@ As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * c
 
 - every MoE block's grouped expert weights ``w1, w2, w3`` (``[num_experts, ...]``) are
   ``Shard(0)`` on ``ep``: rank ``r`` of the ``ep`` group holds experts
-  ``r * E/ep ... (r + 1) * E/ep - 1`` (:meth:`TensorRepresentation.distribute_experts`, one
-  line per backend); their checkpointed shape is the global one;
+  ``r * E/ep ... (r + 1) * E/ep - 1`` (:meth:`TensorRepresentation.distribute_experts`, a
+  DTensor or a typed local shard per backend); their checkpointed shape is the global one;
 - FSDP2 shards those weights over ``efsdp`` (``dp_replicate x efsdp`` for HSDP), one
   ``fully_shard`` per expert module before the blocks' (:func:`apply_expert_fsdp`); every other
   parameter is FSDP-sharded over ``fsdp`` as without EP;
@@ -18,11 +18,12 @@ As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * c
   run through this rank's experts, put back, and returned the same way (the combine). The
   weighted sum per token stays on the token's rank (:class:`~torchtitan_spmd.models.moe.GroupedExperts`).
   Backward is the transpose: the gradients take the same two all-to-alls in reverse.
-- under ``spmd_types`` the exchange is typed (:mod:`~torchtitan_spmd.distributed.representations.spmd_types`):
-  the dispatch is a sparse all-gather (``V -> R`` on ``ep``), the experts' output a pending sum
-  (``P``: each rank's experts' share of every token of its group) and the combine a sparse
-  reduce-scatter (``P -> V``), so with ``--debug.spmd_typechecking`` a missing combine is an
-  ``SpmdTypeError``.
+- under ``spmd_types`` the exchange is typed
+  (:class:`~torchtitan_spmd.distributed.representations.spmd_types.expert_exchange.TypedExpertExchange`):
+  the rows go ``V -> V`` on ``ep`` (re-typed from ``dp`` onto ``(dp_replicate, efsdp, ep)``),
+  the experts' output is a pending sum (``P@ep``: each rank's experts' share of its group's
+  rows) and the combine the sparse reduce-scatter it is (``P -> S(0)``), so with
+  ``--debug.spmd_typechecking`` a missing combine is an ``SpmdTypeError``.
 
 Not here yet (setup errors, :func:`validate_expert_parallel`): EP with tensor, context or pipeline
 parallelism, and ``expert_tensor_parallel_degree`` other than 1.
