@@ -68,7 +68,11 @@ from torchtitan_spmd.distributed.loss import (
 from torchtitan_spmd.distributed.moe import ExpertLoad, set_force_load_balance, update_expert_bias
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.param_init import init_weights
-from torchtitan_spmd.distributed.pipeline_parallel import PipelineParallel, states_of
+from torchtitan_spmd.distributed.pipeline_parallel import (
+    PipelineParallel,
+    StageBoundaries,
+    states_of,
+)
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
     get_train_context,
@@ -273,9 +277,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, job_config.optimizer)
         self.loss_fn = maybe_compile_loss(cross_entropy_loss, job_config.compile)
         if self.pipeline is not None:  # the loss runs inside torch's schedule, on the last stage
-            self.pipeline.build_schedule(self.model, self.device_type, self.loss_fn,
-                                         representation=self.representation,
-                                         logits_layout=self.plan.output_layout())
+            checked = (get_train_context(enable_loss_parallel=False, parallel_dims=self.parallel_dims,
+                                         representation=self.representation, spmd_typechecking=True)
+                       if job_config.debug.spmd_typechecking and self.representation.supports_typechecking
+                       else None)  # type checking per stage (StageBoundaries)
+            self.pipeline.build_schedule(
+                self.model, self.device_type, self.loss_fn,
+                boundaries=StageBoundaries.from_plan(self.plan, self.representation, checked=checked),
+                representation=self.representation, logits_layout=self.plan.output_layout())
         self.amp = functools.partial(maybe_enable_amp, self.parallel_dims,
                                      training.mixed_precision_param, self.device_type)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -302,6 +311,8 @@ class Trainer:
             parallel_dims=self.parallel_dims, representation=self.representation,
         )
         self.train_context = train_context(spmd_typechecking=job_config.debug.spmd_typechecking)
+        #: Under pipeline parallelism the schedule runs unchecked; each stage checks itself.
+        self.schedule_context = train_context(spmd_typechecking=False)
         #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).
         self._typecheck_countdown: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
         if job_config.debug.spmd_typechecking and job_config.debug.spmd_typechecking_steps is not None:
@@ -401,8 +412,8 @@ class Trainer:
         losses = []
         for i, ((inputs, targets), pos) in enumerate(zip(micro, positions, strict=True)):
             if self.pipeline is not None:  # the schedule's microbatches, its loss, its FSDP reduction
-                with self.train_context(), self.amp():
-                    losses.append(self.pipeline.forward_backward(inputs, targets, token_count))
+                with self.schedule_context(), self.amp():
+                    losses.append(self.pipeline.forward_backward(inputs, targets, token_count, pos))
                 continue
             set_gradient_sync(self.model, i == n - 1)
             with self.train_context():
@@ -442,6 +453,8 @@ class Trainer:
             return
         self.train_context = unchecked
         self._typecheck_countdown = None
+        if self.pipeline is not None and self.pipeline.boundaries is not None:
+            self.pipeline.boundaries.checked = None
         if self.rank == 0:
             n = self.job_config.debug.spmd_typechecking_steps
             logger.info(f"type checking off from step {step} on: debug.spmd_typechecking_steps={n} "

@@ -125,9 +125,6 @@ def _cfg(backend: str = "default", flavor: str = "tiny", ac: str = "none", **par
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
-        ({"spmd_backend": "full_dtensor"}, ["full_dtensor", "pipeline parallelism", "'default'",
-                                            "pipeline_parallel_degree=1"]),
-        ({"spmd_backend": "spmd_types"}, ["spmd_types", "pipeline parallelism", "'default'"]),
         ({"pipeline_parallel_schedule": "Nope"}, ["pipeline_parallel_schedule='Nope'", "unknown", "'GPipe'",
                                                   "'Interleaved1F1B'", "'DualPipeV'"]),
         ({"pipeline_parallel_schedule": "PipelineScheduleMulti"}, ["'PipelineScheduleMulti'", "abstract",

@@ -17,7 +17,7 @@ from spmd_helpers import in_child, requires_torch
 from spmd_types import I, P, R, S, V
 from torch import nn
 
-from torchtitan_spmd.config import ConfigManager, JobConfig
+from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches
 from torchtitan_spmd.distributed.inputs import prepare_inputs
@@ -83,25 +83,6 @@ def test_representation_is_registered_and_imports_the_library() -> None:
 
 
 # --------------------------------------------------------------------------- setup errors
-@pytest.mark.parametrize(
-    ("degrees", "needles"),
-    [
-        ({"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, ["pipeline parallel", "pipeline_parallel_degree=1"]),
-    ],
-)
-def test_unsupported_combinations_fail_at_setup(fake_world: Callable[[int], None], degrees: dict,
-                                                needles: list[str]) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    fake_world(4)
-    with pytest.raises(ValueError) as err:
-        Trainer(_cfg(**degrees))
-    msg = str(err.value)
-    assert "spmd_backend='spmd_types'" in msg
-    for needle in needles:
-        assert needle in msg
-
-
 def test_default_backend_with_cp_names_both_cp_backends(fake_world: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 
@@ -201,15 +182,11 @@ def test_old_torch_without_data_parallel_is_fine(fake_world: Callable[[int], Non
     _rep(pd).validate(_cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2))
 
 
-def test_typechecking_with_pipeline_parallel_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match="spmd_typechecking.*pipeline_parallel_degree"):
-        JobConfig.from_dict({"parallelism": {"spmd_backend": "spmd_types", "pipeline_parallel_degree": 2},
-                             "debug": {"spmd_typechecking": True}})
-    with pytest.raises(SystemExit) as exit_:  # on the command line: tyro's exit 2, with the message
-        ConfigManager().parse_overrides(JobConfig(), ["--parallelism.spmd_backend", "spmd_types",
-                                                      "--parallelism.pipeline_parallel_degree", "2",
-                                                      "--debug.spmd_typechecking"])
-    assert exit_.value.code == 2 and "pipeline_parallel_degree" in capsys.readouterr().err
+def test_typechecking_with_pipeline_parallel_is_accepted() -> None:
+    # Each stage's forward is type-checked on its own (tests/layer3_runtime/test_pipeline_backends.py).
+    cfg = JobConfig.from_dict({"parallelism": {"spmd_backend": "spmd_types", "pipeline_parallel_degree": 2},
+                               "debug": {"spmd_typechecking": True}})
+    assert cfg.debug.spmd_typechecking and cfg.parallelism.pipeline_parallel_degree == 2
 
 
 # --------------------------------------------------------------------------- parameters

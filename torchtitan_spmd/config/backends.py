@@ -7,9 +7,10 @@ know about it by name, as plain data (no torch import), so every layer can read 
   :func:`~torchtitan_spmd.distributed.representation.get_representation` imports it);
 - ``meshes``: its device meshes as a table (:class:`BackendMeshes`), which
   ``ParallelDims`` (the mesh layer) interprets without ever branching on the name;
-- ``typechecking`` / ``context_parallel``: whether ``debug.spmd_typechecking`` checks
-  anything and whether it runs ``context_parallel_degree > 1``; the representation's
-  ``supports_typechecking`` / ``supports_context_parallel`` read them from here.
+- ``typechecking`` / ``context_parallel`` / ``pipeline_parallel``: whether
+  ``debug.spmd_typechecking`` checks anything and whether it runs ``context_parallel_degree > 1``
+  / ``pipeline_parallel_degree > 1``; the representation's ``supports_typechecking`` /
+  ``supports_context_parallel`` / ``supports_pipeline_parallel`` read them from here.
 
 :func:`resolve_backend` is the one check of a backend name (aliases, unknown names)
 that the config sections, the command line, ``ParallelDims`` and the runtime share.
@@ -170,6 +171,7 @@ register_backend(Backend(
         resolve_to_spmd_mesh_only=True,
     ),
     context_parallel=True,
+    pipeline_parallel=True,
 ))
 register_backend(Backend(
     "spmd_types", f"{_RUNTIME}.spmd_types",
@@ -186,5 +188,6 @@ register_backend(Backend(
     ),
     typechecking=True,
     context_parallel=True,
+    pipeline_parallel=True,
 ))
 _BUILTIN = frozenset(_REGISTRY)

@@ -585,7 +585,7 @@ class DebugConfig(Section):
 
     spmd_typechecking: bool = False
     """Type-check the forward pass with ``spmd_types``' checker. Only the ``spmd_types``
-    backend is checked; incompatible with pipeline parallelism."""
+    backend is checked; under pipeline parallelism each stage's forward is checked on its own."""
 
     spmd_typechecking_steps: int | None = None
     """With ``spmd_typechecking``: type-check only the first N steps this process runs

@@ -112,12 +112,6 @@ class JobConfig:
         for name in _SECTIONS:
             getattr(self, name).check()
         if self.debug.spmd_typechecking:
-            if self.parallelism.pipeline_parallel_degree > 1:
-                raise ValueError(
-                    "debug.spmd_typechecking=True is not supported with "
-                    f"parallelism.pipeline_parallel_degree={self.parallelism.pipeline_parallel_degree}; "
-                    "set pipeline_parallel_degree=1 or turn spmd_typechecking off."
-                )
             if not backend(self.parallelism.spmd_backend).typechecking:
                 checked = [name for name in backend_names() if backend(name).typechecking]
                 warnings.warn(

@@ -121,7 +121,8 @@ def _install(fqn: str, module: nn.Module, mplan: ModulePlan, rep: TensorRepresen
         module.register_forward_pre_hook(pre_hook)
     module.register_forward_hook(post_hook)
     if mplan.local_compute:
-        out_layout = boundary_dst(mplan.output)
+        # What the body produces: a redistributing output boundary moves it on afterwards.
+        out_layout = boundary_src(mplan.output)
         if out_layout is None:
             raise ValueError(f"plan for {fqn!r}: local_compute needs an output layout.")
         module.forward = rep.local_region(module.forward, out_layout, where=fqn)  # type: ignore[method-assign]

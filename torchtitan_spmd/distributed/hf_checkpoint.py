@@ -29,11 +29,12 @@ Needs ``safetensors`` (``pip install "torchtitan-spmd[hf]"``), imported on first
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -218,21 +219,82 @@ class _RowRuns:
         self.local.index_copy_(0, self.order.to(self.local.device), buf.to(self.local.dtype))
 
 
+class _GroupSlices:
+    """This rank's part of a grouped tensor ``[G, ...]`` (an MoE layer's experts) whose slices
+    ``tensor[g]`` are separate transformers tensors: one buffer per slice this rank holds (its
+    rows and columns of that slice, DCP's ``CheckpointableTensor`` description), copied back
+    after the read. A rank holding no slice of a group reads nothing of it."""
+
+    def __init__(self, local: torch.Tensor, offsets: tuple[int, ...], global_shape: tuple[int, ...],
+                 keys: tuple[str, ...]) -> None:
+        self.local = local
+        self.buffers: list[tuple[str, int, torch.Tensor]] = []
+        for j in range(local.shape[0]):
+            buf = torch.empty(local.shape[1:], dtype=local.dtype, device=local.device)
+            buf.global_shape = tuple(global_shape[1:])  # type: ignore[attr-defined]
+            buf.global_offsets = (tuple(offsets[1:]),)  # type: ignore[attr-defined]
+            buf.local_offsets = ((0,) * (local.dim() - 1),)  # type: ignore[attr-defined]
+            buf.local_sizes = (tuple(local.shape[1:]),)  # type: ignore[attr-defined]
+            self.buffers.append((keys[offsets[0] + j], j, buf))
+
+    def scatter_back(self) -> None:
+        """Copy the loaded slices into the local tensor."""
+        for _, j, buf in self.buffers:
+            self.local[j].copy_(buf)
+
+
+def _group_slices_by_columns(value: torch.Tensor, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Each slice ``value[g]`` under its name, to be written: a DTensor sharded on its last dim
+    over every mesh axis (every rank holds all slices of a column range, one chunk per tensor
+    and rank, as DCP's HF writer keeps them), or the plain slices of a plain tensor."""
+    if not isinstance(value, DTensor):
+        return dict(zip(keys, value.unbind(0), strict=True))
+    from torch.distributed.tensor import Shard
+
+    mesh, last = value.device_mesh, value.dim() - 1
+    local = value.redistribute(mesh, [Shard(last)] * mesh.ndim).to_local()
+    shape = value.shape[1:]
+    stride = torch.empty(shape, device="meta").stride()
+    return {key: DTensor.from_local(local[g], mesh, [Shard(last - 1)] * mesh.ndim, shape=shape, stride=stride)
+            for g, key in enumerate(keys)}
+
+
 def _hf_state(model_state: Mapping[str, Any], adapter: StateDictAdapter, *, fill: bool
-              ) -> tuple[dict[str, Any], list[tuple[_RowRuns, torch.Tensor]]]:
-    """The HF-named state dict DCP reads into (``fill=False``) or writes from (``fill=True``).
+              ) -> tuple[dict[str, Any], list[Callable[[], None]], set[str]]:
+    """The HF-named state dict DCP reads into (``fill=False``) or writes from (``fill=True``),
+    what to do after a read, and the HF names of every tensor of the model (a rank's dict may
+    lack slices of a grouped tensor that it holds no part of).
 
     A tensor whose rows transformers orders differently goes, to be read, as this rank's
     :class:`_RowRuns` buffer; to be written, as a DTensor sharded on its columns over every
     mesh axis (every rank all the rows of a column slice, permuted locally): the HF writer
     keeps one chunk per tensor and rank in its shard files, so the runs cannot go as they are.
+    A grouped tensor (:meth:`~torchtitan_spmd.models.state_dict_adapter.StateDictAdapter.hf_grouped_keys`)
+    goes slice by slice: :class:`_GroupSlices` to be read, :func:`_group_slices_by_columns` to be written.
     """
     hf: dict[str, Any] = {}
-    reordered: list[tuple[_RowRuns, torch.Tensor]] = []
+    after: list[Callable[[], None]] = []
+    names: set[str] = set()
     for fqn, value in model_state.items():
-        key = adapter.hf_key(fqn)
-        if key is None or not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
             continue
+        grouped = adapter.hf_grouped_keys(fqn, value.shape[0])
+        if grouped is not None:
+            names.update(grouped)
+            if fill:
+                hf.update(_group_slices_by_columns(value, grouped))
+                continue
+            box = _local_box(value)
+            if box is None:
+                continue
+            slices = _GroupSlices(box[0], box[1], tuple(value.shape), grouped)
+            hf.update((key, buf) for key, _, buf in slices.buffers)
+            after.append(slices.scatter_back)
+            continue
+        key = adapter.hf_key(fqn)
+        if key is None:
+            continue
+        names.add(key)
         idx = adapter.hf_rows(fqn, value.shape[0])
         if idx is None:
             hf[key] = value
@@ -246,8 +308,8 @@ def _hf_state(model_state: Mapping[str, Any], adapter: StateDictAdapter, *, fill
             runs = _RowRuns(local, offsets, tuple(value.shape), idx)
             buf = runs.buffer()
             hf[key] = buf
-            reordered.append((runs, buf))
-    return hf, reordered
+            after.append(functools.partial(runs.scatter_back, buf))
+    return hf, after, names
 
 
 def _rows_reordered_by_columns(value: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -265,7 +327,7 @@ def _rows_reordered_by_columns(value: torch.Tensor, idx: torch.Tensor) -> torch.
 
 
 def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAdapter,
-                  metadata: Mapping[str, Any]) -> None:
+                  metadata: Mapping[str, Any], names: set[str]) -> None:
     """ValueError naming the first tensor the folder lacks, has in another shape, or has extra."""
     for key, value in hf_state.items():
         saved = metadata.get(key)
@@ -276,7 +338,11 @@ def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAd
         if tuple(saved.size) != shape:
             raise ValueError(f"Hugging Face folder {folder!r}: {key!r} has shape {tuple(saved.size)} there "
                              f"and {shape} in this model.")
-    extra = sorted(set(metadata) - set(hf_state))
+    missing = sorted(names - set(metadata))
+    if missing:
+        raise ValueError(f"Hugging Face folder {folder!r} has no tensor {missing[0]!r} "
+                         f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
+    extra = sorted(set(metadata) - names)
     if extra:
         raise ValueError(f"Hugging Face folder {folder!r} holds {extra[0]!r}, which this "
                          f"{adapter.model_type} model lacks ({len(extra)} such tensors).")
@@ -294,12 +360,12 @@ def load_hf(model_state: dict[str, Any], folder: str, adapter: StateDictAdapter)
             "is not a folder" if not os.path.isdir(folder) else
             f"has no {_SUFFIX} file (contents: {sorted(os.listdir(folder))[:8]})")
         raise ValueError(f"checkpoint.initial_load_path={folder!r} is not a Hugging Face checkpoint: it {what}.")
-    hf_state, reordered = _hf_state(model_state, adapter, fill=False)
+    hf_state, after, names = _hf_state(model_state, adapter, fill=False)
     reader = HuggingFaceStorageReader(folder)
-    _check_folder(folder, hf_state, adapter, reader.read_metadata().state_dict_metadata)
+    _check_folder(folder, hf_state, adapter, reader.read_metadata().state_dict_metadata, names)
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder))
-    for runs, buf in reordered:
-        runs.scatter_back(buf)
+    for fixup in after:
+        fixup()
 
 
 @torch.no_grad()
@@ -309,7 +375,7 @@ def save_hf(model_state: Mapping[str, Any], folder: str, adapter: StateDictAdapt
     require_safetensors()
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    hf_state, _ = _hf_state(model_state, adapter, fill=True)
+    hf_state, _, _ = _hf_state(model_state, adapter, fill=True)
     writer = HuggingFaceStorageWriter(path=folder, fqn_to_index_mapping=adapter.fqn_to_index_mapping,
                                       save_distributed=True, enable_consolidation=True)
     dcp.save(hf_state, storage_writer=writer)

@@ -22,32 +22,45 @@ does not depend on the stage), the loss is computed on the last stage, and
 sum the loss and the squared gradient norm over ``pp`` too, so every rank logs the true global
 values. Gradient accumulation runs the schedule once per ``training.local_batch_size`` rows.
 
-Built: every schedule of ``get_schedule_class`` (measured on gloo) under the backends whose
-activations are plain local tensors between modules (``default``). Under a multi-stage schedule
-a rank's stages are views of its one part (:func:`stage_view`), each an FSDP root. CSV schedules
-are a setup error naming what runs.
+Built: every schedule of ``get_schedule_class`` (measured on gloo) under every backend whose
+registry record says ``pipeline_parallel``. Under a multi-stage schedule a rank's stages are views
+of its one part (:func:`stage_view`), each an FSDP root. CSV schedules are a setup error naming
+what runs.
+
+Stage boundaries (:class:`StageBoundaries`): torch's pipelining only ever sends, receives and
+splits plain local tensors; each stage's forward takes what it receives into the backend's form
+with the layout the plan declares for it (``ShardingPlan.stage_boundary``) and returns its local
+value. With ``debug.spmd_typechecking`` each stage's forward (and the loss) is type-checked on
+its own, its inputs typed from those layouts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .apply_plan import plain_fqn
-from .plan import ShardingPlan, fqn_matches
+from .plan import ShardingPlan, boundary_dst, fqn_matches
+
+if TYPE_CHECKING:
+    from .layout import SpmdLayout
+    from .representation import TensorRepresentation
 
 __all__ = [
     "BUILT_SCHEDULES",
     "PipelineParallel",
+    "StageBoundaries",
     "generate_llm_fqn_per_model_part",
     "split_module",
 ]
@@ -211,14 +224,115 @@ class _StepLoss:
     """The schedule's ``loss_fn(output, target)``: this microbatch's share of the global mean.
 
     ``token_count`` (the global batch's label count) is set before each schedule step.
+    ``boundaries``: the last stage's local logits and the microbatch's local labels enter
+    the loss in the backend's form, in the stage's (checked) context.
     """
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], **kwargs: Any) -> None:
-        self.loss_fn, self.kwargs = loss_fn, kwargs
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], boundaries: StageBoundaries | None = None,
+                 **kwargs: Any) -> None:
+        self.loss_fn, self.kwargs, self.boundaries = loss_fn, kwargs, boundaries
         self.token_count: torch.Tensor | None = None
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target, token_count=self.token_count, **self.kwargs)
+        if self.boundaries is None:
+            return self.loss_fn(output, target, token_count=self.token_count, **self.kwargs)
+        with self.boundaries.context():
+            output, target = self.boundaries.loss_inputs(output, target)
+            return self.loss_fn(output, target, token_count=self.token_count, **self.kwargs)
+
+
+# ----------------------------------------------------------------------------- stage boundaries
+@dataclass
+class StageBoundaries:
+    """How each stage's forward meets torch's pipelining under one representation.
+
+    torch's pipelining sends, receives and splits plain local tensors only: every stage's
+    forward returns ``representation.to_local`` of its output (what is sent), and takes what
+    it is given -- the previous stage's activation, or on the first stage this microbatch's
+    tokens -- as ``representation.from_local(x, layout)`` with the layout the plan declares:
+    ``plan.stage_boundary`` for an activation, the input layouts (:mod:`.inputs`) for the
+    tokens, labels and positions, the plan's output layout for the logits. A ``full_dtensor``
+    stage thus receives the DTensor its first module expects (the plan, not metadata sent
+    along with the tensor, decides its placements: upstream's ``get_mesh`` callback is not
+    needed), an ``spmd_types`` stage a tensor typed as the plan says, and a ``default`` stage
+    the local tensor as it is.
+
+    ``checked``: the type-checked train context (``debug.spmd_typechecking``), or None. Each
+    stage's forward, and the loss on the last stage, run in it on their own (inputs typed
+    at the boundary, then every op checked); the schedule's sends, receives, microbatch
+    splits and backward run outside it.
+    """
+
+    representation: TensorRepresentation
+    #: The activation between stages (``ShardingPlan.stage_boundary``).
+    activation: SpmdLayout
+    tokens: SpmdLayout
+    labels: SpmdLayout
+    logits: SpmdLayout | None
+    #: Keyword inputs every stage receives, split by the schedule like the tokens (``positions``).
+    kwargs: Mapping[str, SpmdLayout] = field(default_factory=dict)
+    checked: Callable[[], AbstractContextManager[None]] | None = None
+
+    @classmethod
+    def from_plan(cls, plan: ShardingPlan, representation: TensorRepresentation, *,
+                  checked: Callable[[], AbstractContextManager[None]] | None = None) -> StageBoundaries:
+        """The boundaries ``plan`` declares; ``ValueError`` (at setup) where it declares none, or
+        one that is not what its input module (``tok_embeddings``) produces."""
+        from .inputs import LABELS, POSITIONS, TOKENS
+
+        layout = plan.stage_boundary
+        if layout is None:
+            raise ValueError("pipeline parallelism: the sharding plan declares no stage_boundary (the layout of "
+                             "the activation between pipeline stages); set ShardingPlan.stage_boundary.")
+        produced = [boundary_dst(plan.modules[m].output) for m in INPUT_MODULES if m in plan.modules]
+        if any(p is not None and p != layout for p in produced):
+            raise ValueError(f"pipeline parallelism: the sharding plan's stage_boundary {layout} is not the "
+                             f"layout {INPUT_MODULES[0]} outputs ({produced[0]}); fix the plan.")
+        return cls(representation, layout, TOKENS, LABELS, plan.output_layout(), {"positions": POSITIONS},
+                   checked)
+
+    def context(self) -> AbstractContextManager[None]:
+        """The context a stage's forward and the loss run in (the checked one, or none)."""
+        return self.checked() if self.checked is not None else nullcontext()
+
+    def install(self, module: nn.Module, *, first: bool) -> None:
+        """Hook one stage's module as described above: a pre-hook ahead of every other (FSDP's
+        root included) enters :meth:`context` and takes the inputs into the backend's form, a
+        hook after every other returns the local output and leaves the context (``always_call``:
+        on errors too). FSDP must see the typed inputs and gather the parameters inside the
+        checker (it types what it gathers only then); wrapping the module instead would hide
+        the FSDP module from torch's pipelining."""
+        rep = self.representation
+        layout = self.tokens if first else self.activation
+        open_contexts: list[contextlib.ExitStack] = []
+
+        def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.context())
+            open_contexts.append(stack)
+            x, *rest = args
+            kwargs = {k: rep.from_local(v, self.kwargs[k]) if isinstance(v, torch.Tensor) else v
+                      for k, v in kwargs.items()}
+            return (rep.from_local(x, layout), *rest), kwargs
+
+        def leave(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if open_contexts:
+                open_contexts.pop().close()
+            return rep.to_local(output) if isinstance(output, torch.Tensor) else output
+
+        module.register_forward_pre_hook(enter, prepend=True, with_kwargs=True)
+        module.register_forward_hook(leave, always_call=True)
+
+    def loss_inputs(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's local logits and the local labels in the backend's form."""
+        rep = self.representation
+        if self.logits is not None:
+            logits = rep.from_local(logits, self.logits)
+        return logits, rep.from_local(labels, self.labels)
+
+    def to_local(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """What the schedule is given: this rank's local value of a batch tensor."""
+        return None if x is None else self.representation.to_local(x)
 
 
 @dataclass
@@ -243,6 +357,8 @@ class PipelineParallel:
     loss: _StepLoss | None = None
     #: The model's state-dict keys the other stages hold (set by :meth:`split`).
     other_stage_keys: frozenset[str] = frozenset()
+    #: How the stages meet the schedule (set by :meth:`build_schedule`).
+    boundaries: StageBoundaries | None = None
     _views: list[nn.Module] | None = None
 
     @property
@@ -342,18 +458,25 @@ class PipelineParallel:
         return part, part_plan(plan, part)
 
     def build_schedule(self, part: nn.Module, device: torch.device | str,
-                       loss_fn: Callable[..., torch.Tensor], **loss_kwargs: Any) -> None:
+                       loss_fn: Callable[..., torch.Tensor], *, boundaries: StageBoundaries | None = None,
+                       **loss_kwargs: Any) -> None:
         """The ``PipelineStage`` of the parallelized ``part`` and torch's schedule over it.
 
         ``loss_fn(output, target, token_count=..., **loss_kwargs)`` runs on the last stage.
+        ``boundaries``: how each stage's forward meets the schedule (:class:`StageBoundaries`);
+        None: the stages compute on what torch's pipelining hands them, as it is.
         """
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         modules = self.stage_modules(part)
+        self.boundaries = boundaries
+        if boundaries is not None:
+            for module, index in zip(modules, self.stage_indices, strict=True):
+                boundaries.install(module, first=index == 0)
         stages = [PipelineStage(m, i, self.num_stages, torch.device(device), group=self.group)
                   for m, i in zip(modules, self.stage_indices, strict=True)]
-        self.loss = _StepLoss(loss_fn, **loss_kwargs)
+        self.loss = _StepLoss(loss_fn, boundaries, **loss_kwargs)
         schedule_class = get_schedule_class(self.schedule_name)
         try:
             self.schedule = schedule_class(stages[0] if len(stages) == 1 else stages,
@@ -376,17 +499,22 @@ class PipelineParallel:
         return self._views
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         token_count: torch.Tensor) -> torch.Tensor:
+                         token_count: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run one local batch (``training.local_batch_size`` rows) through the schedule.
 
+        ``positions``: the tokens' RoPE positions (context parallelism), given to every stage.
         Returns the sum of its microbatch losses on the last stage, 0 elsewhere (no gradient).
         """
         assert self.loss is not None and self.schedule is not None
         self.loss.token_count = token_count
+        if self.boundaries is not None:  # the schedule splits and sends plain local tensors
+            inputs, targets = self.boundaries.to_local(inputs), self.boundaries.to_local(targets)
+            positions = self.boundaries.to_local(positions)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
+        kwargs = {"positions": positions} if positions is not None else {}
         self.schedule.step(*args, target=targets if self.is_last else None,
-                           losses=losses if self.is_last else None, return_outputs=False)
+                           losses=losses if self.is_last else None, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=targets.device)
         return torch.stack([x.detach().float() for x in losses]).sum()

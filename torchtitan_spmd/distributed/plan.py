@@ -104,6 +104,10 @@ class ShardingPlan:
         attention: patterns of the causal attention kernels (``local_compute``
             modules with a causal ``forward(q, k, v)``, heads-first, sequence-sharded on ``cp``) whose
             body context parallelism replaces (:mod:`.context_parallel`).
+        stage_boundary: the layout of the activation between the model's top-level blocks
+            (the residual stream): what a pipeline stage receives from the one before and
+            sends to the one after (:mod:`.pipeline_parallel`). None: the plan declares none,
+            and pipeline parallelism is a setup error.
     """
 
     modules: Mapping[str, ModulePlan]
@@ -111,6 +115,7 @@ class ShardingPlan:
     output_module: str = "output"
     fsdp_units: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
+    stage_boundary: SpmdLayout | None = None
 
     def output_layout(self) -> SpmdLayout | None:
         """The layout of the model's output: the last layout of ``output_module``'s output boundary."""

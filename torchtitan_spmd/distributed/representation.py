@@ -159,7 +159,7 @@ class TensorRepresentation(ABC):
         "sequence-sharded activations and ring attention over ``cp``.")
     supports_pipeline_parallel = _FromRegistry(
         "pipeline_parallel", "Whether this backend runs pipeline parallelism (``pipeline_parallel_degree > 1``): "
-        "its activations cross stage boundaries as plain local tensors.")
+        "its stages meet torch's pipelining through ``from_local``/``to_local`` with the plan's stage_boundary.")
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims

@@ -16,7 +16,8 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
   replaces with ring attention, which exchanges the keys and values over ``cp`` itself
   (chunk by chunk; no gathered ``R@cp`` tensor crosses a boundary). With sequence
   parallelism the residual stream is sharded on the sequence by ``cp``, then by ``tp``.
-  An axis of size 1 is ignored, so the plan is the same at every degree.
+  An axis of size 1 is ignored, so the plan is the same at every degree;
+- pipeline stages pass the residual stream (the plan's ``stage_boundary``).
 
 With sequence parallel off, the residual stream is replicated (``R@tp``) instead of
 ``S(1)@tp``, and rowwise outputs are all-reduced instead of reduce-scattered.
@@ -87,4 +88,4 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         **(extra or {}),
     }
     return ShardingPlan(modules=modules, mesh_axes=("cp", "tp"), output_module="output", fsdp_units=("layers.*",),
-                        attention=("layers.*.attention.sdpa",))
+                        attention=("layers.*.attention.sdpa",), stage_boundary=residual)

@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 __all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "TokenDispatcher", "grouped_mm_available", "top_k_by_index"]
 
@@ -67,12 +67,33 @@ class TokenDispatcher(Protocol):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """``t``'s local value (a DTensor's ``to_local()``, as upstream's experts do).
 
-    The MoE body sees every token of this rank and no other (tensor and context parallelism are
-    setup errors under MoE, see ``qwen3.validate_moe``), so a replicated weight's gradient from
-    these tokens is this rank's share of the global one, and FSDP's reduce-scatter sums the
-    shares (the FSDP 4 parity tests under ``full_dtensor`` show it).
+    The MoE body sees every token of this rank's data (and, under tensor parallelism, of its TP
+    group: the tokens are gathered over ``tp``), so a data-parallel replicated weight's gradient
+    from these tokens is this rank's share of the global one, and FSDP's reduce-scatter sums the
+    shares (the FSDP 4 parity tests under ``full_dtensor`` show it). The router's gate, whose
+    gradient is also partial over the axes the experts are sharded on, is read through
+    :func:`_local_gate` instead.
     """
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_gate(gate: torch.Tensor, expert_weight: torch.Tensor | None) -> torch.Tensor:
+    """The router gate's local value, its gradient a pending sum (``Partial``) on every mesh dim on
+    which ``expert_weight`` (the experts' ``w2``) is sharded and the gate replicated.
+
+    Tensor parallelism of the experts (``w1``/``w3`` column-wise, ``w2`` row-wise): every TP rank
+    routes the same tokens with the same gate, but its experts' output, and so the gradient of
+    the gating weights and of the gate, is its share of a sum over ``tp``. A plain tensor (the
+    ``spmd_types`` backend types the gate ``R@tp``, so its gradient is summed over ``tp``; one
+    process) is returned as it is.
+    """
+    if not isinstance(gate, DTensor):
+        return gate
+    if not isinstance(expert_weight, DTensor) or expert_weight.device_mesh != gate.device_mesh:
+        return gate.to_local()
+    grads = [Partial() if isinstance(g, Replicate) and isinstance(e, Shard) else g
+             for g, e in zip(gate.placements, expert_weight.placements, strict=True)]
+    return gate.to_local(grad_placements=grads)
 
 
 def top_k_by_index(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -99,9 +120,13 @@ class TokenChoiceTopKRouter(nn.Module):
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.force_load_balance = False
 
-    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, top_k] float32, expert ids [T, top_k] int64)`` for tokens ``x`` ``[T, dim]``."""
-        logits = F.linear(x.float(), _local(self.gate.weight).float())
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None,
+                expert_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, top_k] float32, expert ids [T, top_k] int64)`` for tokens ``x`` ``[T, dim]``.
+
+        ``expert_weight``: the experts' ``w2`` (its sharding says over which axes the gate's
+        gradient is partial, :func:`_local_gate`)."""
+        logits = F.linear(x.float(), _local_gate(self.gate.weight, expert_weight).float())
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         if self.force_load_balance:
             t = x.shape[0]
@@ -192,11 +217,15 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         bias = _local(self.expert_bias) if self.expert_bias is not None else None
-        weights, ids = self.router(flat, bias)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.experts.num_experts)
+        weights, ids = self.router(flat, bias, self.experts.w2)
+        flat_ids = ids.reshape(-1)
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # bincount at a static shape (torch.compile's fullgraph)
         # Counted once per forward: not again when activation checkpointing recomputes the
         # block in backward (inside autograd's graph task), unlike upstream, which halves them.
-        if torch._C._current_graph_task_id() == -1:
+        # Compiled (the guard is not traceable), the mutation is part of the forward graph; measured:
+        # counted once under full and selective AC too (tests/layer3_runtime/test_moe_compose.py).
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
         return self.experts(flat, weights, ids, counts).view(shape)

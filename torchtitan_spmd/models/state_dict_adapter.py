@@ -13,7 +13,10 @@ rank's shard without any rank holding a full tensor:
 - :meth:`StateDictAdapter.hf_key`: our name -> the transformers name (None: not exported);
 - :meth:`StateDictAdapter.hf_rows`: for a weight whose rows transformers orders differently
   (llama3's Q/K projections: interleaved vs rotate-half RoPE), ``idx`` with
-  ``hf_weight = our_weight[idx]``; None when the rows are the same.
+  ``hf_weight = our_weight[idx]``; None when the rows are the same;
+- :meth:`StateDictAdapter.hf_grouped_keys`: for a grouped tensor (an MoE layer's experts
+  ``[num_experts, ...]``), the transformers names of its slices along dim 0 (one tensor per
+  expert on the Hub: ``mlp.experts.{e}.gate_proj.weight``); None for every other tensor.
 
 and the model's ``config.json``: :meth:`StateDictAdapter.hf_config` writes one that
 ``transformers.AutoConfig`` reads, :meth:`StateDictAdapter.check_hf_config` compares one
@@ -125,11 +128,40 @@ class StateDictAdapter:
         """``idx`` (int64, ``[n_rows]``) with ``hf_weight = our_weight[idx]``, or None (same rows)."""
         return None
 
+    #: Our per-layer names of grouped tensors (after ``layers.N.``) -> transformers' name pattern
+    #: of one slice (after ``model.layers.N.``, ``{}`` the index along dim 0).
+    grouped_layer_keys: ClassVar[dict[str, str]] = {}
+
+    def hf_grouped_keys(self, fqn: str, n_groups: int) -> tuple[str, ...] | None:
+        """The transformers names of the ``n_groups`` slices ``our_tensor[g]`` of grouped tensor
+        ``fqn``, in order; None when ``fqn`` is not grouped (then :meth:`hf_key` names it)."""
+        m = _LAYER.match(fqn)
+        pattern = self.grouped_layer_keys.get(m.group(2)) if m else None
+        if pattern is None:
+            return None
+        return tuple(f"model.layers.{m.group(1)}.{pattern.format(g)}" for g in range(n_groups))  # type: ignore[union-attr]
+
+    def grouped_fqn(self, hf_key: str) -> tuple[str, int] | None:
+        """``(our grouped tensor, slice index)`` of transformers tensor ``hf_key``, or None."""
+        m = _HF_LAYER.match(hf_key)
+        if not m:
+            return None
+        for ours, pattern in self.grouped_layer_keys.items():
+            head, _, tail = pattern.partition("{}")
+            rest = m.group(2)
+            if rest.startswith(head) and rest.endswith(tail) and rest[len(head):len(rest) - len(tail)].isdigit():
+                return f"layers.{m.group(1)}.{ours}", int(rest[len(head):len(rest) - len(tail)])
+        return None
+
     # ------------------------------------------------------------------ full tensors (upstream's API)
     def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Our full state dict -> transformers' (names and row order); tensors without a name are dropped."""
         out = {}
         for fqn, value in state_dict.items():
+            grouped = self.hf_grouped_keys(fqn, value.shape[0])
+            if grouped is not None:
+                out.update(zip(grouped, value.unbind(0), strict=True))
+                continue
             key = self.hf_key(fqn)
             if key is None:
                 continue
@@ -139,13 +171,22 @@ class StateDictAdapter:
 
     def from_hf(self, hf_state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """transformers' full state dict -> ours (ValueError for a tensor this model lacks)."""
-        out = {}
+        out: dict[str, Any] = {}
+        slices: dict[str, dict[int, Any]] = {}
         for key, value in hf_state_dict.items():
+            grouped = self.grouped_fqn(key)
+            if grouped is not None:
+                slices.setdefault(grouped[0], {})[grouped[1]] = value
+                continue
             fqn = self.fqn(key)
             if fqn is None:
                 raise ValueError(f"the Hugging Face tensor {key!r} has no counterpart in this {self.model_type} model.")
             idx = self.hf_rows(fqn, value.shape[0])
             out[fqn] = value if idx is None else value[torch.argsort(idx)]
+        for fqn, parts in slices.items():
+            if sorted(parts) != list(range(len(parts))):
+                raise ValueError(f"the Hugging Face slices of {fqn!r} are not 0..{len(parts) - 1}: {sorted(parts)}.")
+            out[fqn] = torch.stack([parts[g] for g in range(len(parts))])
         return out
 
     # ------------------------------------------------------------------ config.json

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -18,14 +17,6 @@ from ..representation import StateLayout, TensorRepresentation
 
 #: The data-parallel axes of a dense mesh.
 DATA_PARALLEL_AXES: tuple[str, ...] = tuple(unfold_dp_axes(["dp"]))
-
-
-def unwrap_local(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Positional and keyword arguments with every DTensor replaced by its local shard."""
-    def local(a: Any) -> Any:
-        return a.to_local() if isinstance(a, DTensor) else a
-
-    return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
 
 
 def local_grad_placements(inputs: Any, output: Any) -> tuple[Any, ...]:
@@ -108,11 +99,6 @@ class DTensorRepresentation(TensorRepresentation):
             tensor, self.forward_mesh, self.placements(state.layout, data=False), run_check=False,
             shape=state.global_shape, stride=torch.empty(state.global_shape, device="meta").stride(),
         )
-
-    def local_body(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``forward`` on the local shards of its arguments."""
-        largs, lkwargs = unwrap_local(args, kwargs)
-        return forward(*largs, **lkwargs)
 
     @classmethod
     def train_context(cls, forward_mesh: DeviceMesh | None, *, loss_parallel: bool,

@@ -81,9 +81,18 @@ class DefaultRepresentation(DTensorRepresentation):
 
     def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,
                      where: str) -> Callable[..., Any]:
+        """The body on the local shards of its DTensor arguments, as ``local_map`` would: an argument
+        replicated where the output is sharded or partial (an MoE block's gathered tokens) gets a
+        ``Partial`` gradient there (:func:`~._dtensor.local_view`); activations stay local."""
+        out = self.placements(out_layout, data=True)
+        grads: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+        def local(x: Any) -> Any:
+            return local_view(x, out, grads)
+
         @functools.wraps(forward)
         def local_forward(*args: Any, **kwargs: Any) -> Any:
-            return self.local_body(forward, *args, **kwargs)  # activations stay local
+            return forward(*(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()})
 
         return local_forward
 

@@ -62,29 +62,17 @@ MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.mo
 
 
 def validate_moe(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Raise ValueError for what this MoE slice does not run: tensor, context and pipeline parallelism, compile,
-    Hugging Face weights. (``debug.moe_force_load_balance`` on a dense model: the trainer's
+    """Raise ValueError for what the MoE flavours do not run yet: pipeline parallelism. (They run tensor
+    parallelism of the experts, :func:`~.plan.moe_plan`; context parallelism, the router being per
+    token; ``torch.compile`` of the blocks; Hugging Face weights as transformers'
+    ``Qwen3MoeForCausalLM``. ``debug.moe_force_load_balance`` on a dense model: the trainer's
     :func:`~torchtitan_spmd.distributed.moe.set_force_load_balance`.)"""
-    flavor = f"model.flavor={job_config.model.flavor!r}"
-    if not config.moe_enabled:
-        return
-    checks = {
-        "parallelism.tensor_parallel_degree": (parallel_dims.tp, "tensor parallelism"),
-        "parallelism.context_parallel_degree": (parallel_dims.cp, "context parallelism"),
-        "parallelism.pipeline_parallel_degree": (parallel_dims.pp, "pipeline parallelism"),
-    }
-    for field, (degree, what) in checks.items():
-        if degree > 1:
-            raise ValueError(f"{field}={degree}: {what} does not run with a mixture-of-experts model yet ({flavor}); "
-                             f"set {field}=1 (data parallelism, FSDP and HSDP, runs it).")
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ValueError(f"compile.enable with 'model' in compile.components does not run with a mixture-of-experts "
-                         f"model yet ({flavor}: data-dependent expert sizes); compile only 'loss', or turn it off.")
-    ckpt = job_config.checkpoint
-    for field in ("initial_load_in_hf", "last_save_in_hf"):
-        if getattr(ckpt, field):
-            raise ValueError(f"checkpoint.{field}=True: Hugging Face weights of a mixture-of-experts model are not "
-                             f"supported yet ({flavor}); use DCP checkpoints.")
+    pp = parallel_dims.pp
+    if config.moe_enabled and pp > 1:
+        field = "parallelism.pipeline_parallel_degree"
+        raise ValueError(f"{field}={pp}: pipeline parallelism does not run with a mixture-of-experts model yet "
+                         f"(model.flavor={job_config.model.flavor!r}); set {field}=1 (data, tensor and context "
+                         "parallelism run it).")
 
 
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -92,12 +80,15 @@ def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: Parallel
     evenly, or the MoE flavours meet what they do not run yet (:func:`validate_moe`)."""
     check_seq_len(config.max_seq_len, job_config)
     validate_moe(config, job_config, parallel_dims)
-    check_tp_divisible({
+    sizes = {
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,
         "model hidden_dim": config.hidden_dim,
         "vocab size": config.vocab_size,
-    }, job_config, parallel_dims)
+    }
+    if config.moe_enabled:
+        sizes["model moe_hidden_dim"] = config.moe_hidden_dim  # the experts' w1/w3 columns, w2 rows
+    check_tp_divisible(sizes, job_config, parallel_dims)
 
 
 MODEL_SPEC = ModelSpec(

@@ -160,8 +160,9 @@ class SpmdTypesRepresentation(TensorRepresentation):
             annotate(x, *self._data_type(layout))
         return x
 
-    def _check(self, x: Any, layout: SpmdLayout) -> None:
-        """Under the checker, assert the declared layout on the model axes (all but ``dp``)."""
+    def _check(self, x: Any, layout: SpmdLayout, where: str | None = None) -> None:
+        """Under the checker, assert the declared layout on the model axes (all but ``dp``);
+        a type error names the boundary (``where``: the module and its input or output)."""
         if not isinstance(x, torch.Tensor) or not st.is_type_checking():
             return
         cached = self._layout_types.get(("model", layout))
@@ -169,22 +170,28 @@ class SpmdTypesRepresentation(TensorRepresentation):
             types, spec = layout_type(layout, self._mesh(), axes=[a for a in self._live() if a != _DP])
             cached = self._layout_types["model", layout] = (types, spec, DeclaredTypes.key(types, spec))
         types, spec, key = cached
-        if types:  # as annotate(): nothing to assert without types
+        if not types:  # as annotate(): nothing to assert without types
+            return
+        try:
             self._declared(x, types, spec, key)
+        except st.SpmdTypeError as err:
+            if where is None:
+                raise
+            raise st.SpmdTypeError(f"{where} (declared {layout}): {err}") from err
 
     def arrive(self, x: Any, layout: SpmdLayout, *, module: nn.Module, where: str) -> Any:
-        self._check(x, layout)
+        self._check(x, layout, where)
         return x
 
     def redistribute(self, x: Any, src: SpmdLayout, dst: SpmdLayout, *, where: str) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        self._check(x, src)
+        self._check(x, src, where)
         return redistribute_per_axis(x, self._mesh(), src, dst)
 
     def depart(self, x: Any, layout: SpmdLayout | None, *, where: str) -> Any:
         if layout is not None:
-            self._check(x, layout)
+            self._check(x, layout, where)
         return x
 
     def local_region(self, forward: Callable[..., Any], out_layout: SpmdLayout, *,

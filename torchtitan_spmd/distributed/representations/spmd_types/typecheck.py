@@ -144,7 +144,13 @@ def _global_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
             # Exact only for one sharded dim that is outermost (all dims before it are 1).
             if len(sharded) > 1 or any(x.shape[d] != 1 for d in gi[: gi.index(first)]) or not gj:
                 return NotImplemented
-            new_spec[gj[0]] = spec[first]
+            # The size-1 dims before it (they join the group that follows them: a one-row batch,
+            # [1, s/cp, f] -> [1, s/cp, h, d]) pair up with the leading size-1 dims of the target;
+            # the shard goes to the dim after those (which may itself be 1 locally: one KV head a rank).
+            j = 0
+            while j < gi.index(first) and j < len(gj) - 1 and target[gj[j]] == 1:
+                j += 1
+            new_spec[gj[j]] = spec[first]
     if all(len(gi) == 1 and len(gj) == 1 for gi, gj in groups if any(spec[d] is not None for d in gi)):
         return NotImplemented  # sharded dims map 1:1: the checker's own rule handles it
     with st.local():
