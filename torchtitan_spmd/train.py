@@ -52,6 +52,11 @@ from torchtitan_spmd.distributed.checkpoint_integrity import (
 )
 from torchtitan_spmd.distributed.compile import apply_compile, maybe_compile_loss, validate_compile
 from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
+from torchtitan_spmd.distributed.expert_parallel import (
+    apply_expert_fsdp,
+    apply_expert_parallel,
+    validate_expert_parallel,
+)
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
@@ -249,6 +254,7 @@ class Trainer:
         self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
         self.representation = representation_cls(self.parallel_dims)
         self.representation.validate(job_config)
+        validate_expert_parallel(self.model_config, job_config, self.parallel_dims)
         self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
         validate_compile(job_config, self.representation)
         training = job_config.training
@@ -373,14 +379,19 @@ class Trainer:
             model, plan = self.pipeline.split(model, plan)
         apply_context_parallel(model, plan, self.context_parallel)
         self.state_layouts = apply_plan(model, plan, rep)
+        apply_expert_parallel(model, rep, self.state_layouts)
         apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
             apply_compile(model, cfg.compile)
         roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
-        apply_fsdp(model, plan, rep,
-                   param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
-                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-                   reshard_after_forward=False if self.pipeline is not None else None, roots=roots)
+        param_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_param]
+        reduce_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce]
+        reshard = False if self.pipeline is not None else None
+        # EP: the experts over efsdp first, then the blocks over fsdp
+        apply_expert_fsdp(model, rep, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
+                          reshard_after_forward=reshard)
+        apply_fsdp(model, plan, rep, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
+                   reshard_after_forward=reshard, roots=roots)
         for root in roots:  # each FSDP root materialises its own parameters
             init_weights(root, states_of(root, self.state_layouts), rep, seed=self.seed, device=self.device_type)
         return model

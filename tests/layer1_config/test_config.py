@@ -131,7 +131,8 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
 
 #: This library's own fields inside torchtitan's sections (``dataset``, ``dataset_path``:
 #: torchtitan's ``[training]`` fields before a0c831c49 moved them to ``dataloader``).
-OURS = {TrainingConfig: ["device", "dataset", "dataset_path"]}
+OURS = {TrainingConfig: ["device", "dataset", "dataset_path"],
+        ParallelismConfig: ["expert_tensor_parallel_degree"]}
 
 
 @pytest.mark.parametrize("cls", list(UPSTREAM), ids=lambda c: c.__name__)

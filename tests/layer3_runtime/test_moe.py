@@ -4,8 +4,8 @@
   dispatch, the expert ids, the combine weights, every token;
 - routing: ties go to the lower expert index; forced balance is round-robin;
 - ``torch._grouped_mm`` and the loop over experts agree;
-- setup errors: top-k above the number of experts, EP and PP under MoE, forced balance on a
-  dense model;
+- setup errors: top-k above the number of experts, PP under MoE (EP's: test_expert_parallel.py),
+  forced balance on a dense model;
 - the step log's tokens per expert, exactly equal under ``debug.moe_force_load_balance``;
 - the expert bias is in checkpoints, and a resumed run continues the same curve.
 """
@@ -111,20 +111,6 @@ def _moe_cfg(backend: str = "default", **overrides: dict) -> JobConfig:
     for section, fields in overrides.items():
         data[section].update(fields)
     return JobConfig.from_dict(data)
-
-
-@pytest.mark.parametrize(("overrides", "needles"), [
-    ({"parallelism": {"expert_parallel_degree": 2}}, ["expert parallelism (not implemented yet)", "moe_tiny"]),
-], ids=["ep"])
-def test_what_moe_does_not_run_yet_fails_at_setup(fake_pg: Callable[[int], None], overrides: dict,
-                                                  needles: list[str]) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    fake_pg(4)
-    with pytest.raises(ValueError) as err:
-        Trainer(_moe_cfg(**overrides))
-    for needle in needles:
-        assert needle in str(err.value)
 
 
 def test_forced_balance_on_a_dense_model_names_the_moe_flavours(fake_pg: Callable[[int], None]) -> None:

@@ -27,26 +27,6 @@ def _cfg(backend: str, **parallelism: int) -> JobConfig:
     )
 
 
-@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
-@pytest.mark.parametrize(
-    ("degrees", "needles"),
-    [
-        ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
-    ],
-)
-def test_unsupported_combinations_fail_at_setup(fake_pg: Callable[[int], None], backend: str, degrees: dict,
-                                                needles: list[str]) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    fake_pg(4)
-    with pytest.raises(ValueError) as err:
-        Trainer(_cfg(backend, **degrees))
-    msg = str(err.value)
-    assert f"spmd_backend={backend!r}" in msg
-    for needle in needles:
-        assert needle in msg
-
-
 def test_unimplemented_config_values_stop_the_trainer_at_setup() -> None:
     from torchtitan_spmd.train import Trainer
 

@@ -83,25 +83,6 @@ def test_representation_is_registered_and_imports_the_library() -> None:
 
 
 # --------------------------------------------------------------------------- setup errors
-@pytest.mark.parametrize(
-    ("degrees", "needles"),
-    [
-        ({"expert_parallel_degree": 2, "data_parallel_shard_degree": 4}, ["expert parallel", "MoE"]),
-    ],
-)
-def test_unsupported_combinations_fail_at_setup(fake_world: Callable[[int], None], degrees: dict,
-                                                needles: list[str]) -> None:
-    from torchtitan_spmd.train import Trainer
-
-    fake_world(4)
-    with pytest.raises(ValueError) as err:
-        Trainer(_cfg(**degrees))
-    msg = str(err.value)
-    assert "spmd_backend='spmd_types'" in msg
-    for needle in needles:
-        assert needle in msg
-
-
 def test_default_backend_with_cp_names_both_cp_backends(fake_world: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 

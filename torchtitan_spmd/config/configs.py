@@ -263,6 +263,7 @@ _DEGREES = (
     "pipeline_parallel_degree",
     "context_parallel_degree",
     "expert_parallel_degree",
+    "expert_tensor_parallel_degree",
 )
 
 
@@ -355,6 +356,11 @@ class ParallelismConfig(
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE layers. Not a factor of the world size: it reuses
     the ranks of ``dp_shard * cp * tp``, which it must divide. 1 disables it."""
+
+    expert_tensor_parallel_degree: int = 1
+    """Tensor-parallel degree of the experts under expert parallelism: 1 or
+    ``tensor_parallel_degree`` (torchtitan's rule before a0c831c49, which dropped the field);
+    only 1 runs (checked at setup)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from torchtitan_spmd.config import JobConfig
 
+    from .expert_parallel import ExpertExchange
     from .parallel_dims import ParallelDims
     from .plan import ShardingPlan
 
@@ -173,8 +174,8 @@ class TensorRepresentation(ABC):
     def validate(self, job_config: JobConfig) -> None:
         """Raise ``ValueError`` at setup for what this backend cannot run.
 
-        Expert parallelism has meshes (``ParallelDims``) but no runtime yet, pipeline parallelism
-        runs only under the backends whose registry record says so.
+        Pipeline parallelism runs only under the backends whose registry record says so
+        (expert parallelism's errors: ``expert_parallel.validate_expert_parallel``).
         (Context parallelism under a backend without :attr:`supports_context_parallel` is
         rejected earlier, once, by ``context_parallel.validate_context_parallel``.)
         """
@@ -185,12 +186,6 @@ class TensorRepresentation(ABC):
                 name, "pipeline parallelism in this runtime",
                 f"it runs under parallelism.spmd_backend {', '.join(map(repr, running))}; or set "
                 "parallelism.pipeline_parallel_degree=1."
-            ))
-        if pd.ep_enabled:
-            raise ValueError(describe_unsupported(
-                name, "expert parallelism (not implemented yet)",
-                "set parallelism.expert_parallel_degree=1: the MoE flavours (qwen3 'moe_tiny', 'debugmodel_moe') "
-                "run without it, their experts replicated and FSDP-sharded.",
             ))
 
     def require_torch(self, minimum: str, what: str, needs: str, instead: str, *,
@@ -292,6 +287,30 @@ class TensorRepresentation(ABC):
         representation says otherwise.
         """
         return ()
+
+    # ------------------------------------------------------------------ expert parallelism
+    def distribute_experts(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a grouped expert weight ``[num_experts, ...]``: ``Shard(0)`` on the
+        1-D ``ep`` mesh (a DTensor; ``spmd_types`` overrides it). May be on the meta device."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        ep = self.parallel_dims.get_mesh("ep")
+        return as_parameter_like(tensor, distribute_tensor(tensor.detach(), ep, [Shard(0)], src_data_rank=None))
+
+    def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
+        """The collectives of expert parallelism over ``group`` (``ep``): torch's ``all_to_all_single``,
+        the rows' with autograd (``spmd_types`` types them)."""
+        from .expert_parallel import ExpertExchange
+
+        return ExpertExchange(group)
+
+    def expert_fsdp_spec(self) -> FsdpSpec | None:
+        """What ``fully_shard`` shards the expert modules over under expert parallelism: ``efsdp``
+        (``(dp_replicate, efsdp)`` for HSDP); None without EP."""
+        pd = self.parallel_dims
+        if not pd.ep_enabled:
+            return None
+        return FsdpSpec(mesh=pd.get_mesh(["dp_replicate", "efsdp"]) if pd.dp_replicate_enabled else pd.get_mesh("efsdp"))
 
     # ------------------------------------------------------------------ state
     def materialize(self, model: nn.Module, states: Mapping[str, StateLayout],

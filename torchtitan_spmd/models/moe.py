@@ -32,16 +32,36 @@ parameters and buffers may be DTensors, which it reads through :func:`_local`.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "grouped_mm_available", "top_k_by_index"]
+__all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "TokenDispatcher", "grouped_mm_available", "top_k_by_index"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+class TokenDispatcher(Protocol):
+    """Expert parallelism's exchange of routed rows (implemented in
+    :mod:`torchtitan_spmd.distributed.expert_parallel`)."""
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``rows`` sorted by global expert (``counts`` ``[num_experts]``) -> the rows of this rank's
+        experts from every rank, sorted by local expert, their counts, and what ``combine`` needs."""
+        ...
+
+    def combine(self, out: torch.Tensor, state: Any) -> torch.Tensor:
+        """The local experts' outputs back to the ranks and in the order ``dispatch`` took them from."""
+        ...
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor,
+            experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``combine(experts(dispatch(rows, counts)))``: each row through its expert, wherever it is."""
+        ...
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +149,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        #: Expert parallelism's token exchange (None: every expert is on this rank). Set by
+        #: :func:`torchtitan_spmd.distributed.expert_parallel.apply_expert_parallel`.
+        self.dispatcher: TokenDispatcher | None = None
 
     def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
         """Each row of ``x`` ``[R, dim]`` through its expert: rows sorted by expert, ``counts[e]`` of
@@ -147,6 +170,14 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
         return torch.cat(outs)
 
+    def routed_outputs(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each routed row (sorted by global expert id, ``counts[e]`` of expert ``e``) through its
+        expert, in the same order: here, or, under expert parallelism, on the rank holding that
+        expert (``dispatcher``: dispatch, this rank's experts on what arrives, combine)."""
+        if self.dispatcher is None:
+            return self.expert_outputs(rows, counts)
+        return self.dispatcher.run(rows, counts, self.expert_outputs)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token ``t`` of ``x`` ``[T, dim]``.
 
@@ -157,7 +188,7 @@ class GroupedExperts(nn.Module):
         k = ids.shape[1]
         order = torch.argsort(ids.reshape(-1), stable=True)
         token = order // k
-        out = self.expert_outputs(x[token], counts)
+        out = self.routed_outputs(x[token], counts)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 

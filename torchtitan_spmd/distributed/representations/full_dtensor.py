@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 try:  # fully_shard(dp_mesh_dims=...) for DTensor parameters on the dense mesh: torch >= 2.13
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -141,6 +141,28 @@ class FullDTensorRepresentation(DTensorRepresentation):
             replicate="dp_replicate" if "dp_replicate" in names else None,
         )
         return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
+
+    # ------------------------------------------------------------------ expert parallelism
+    def _sparse_mesh(self) -> DeviceMesh:
+        """``(dp_replicate, efsdp, ep)``, ``dp_replicate`` only when active."""
+        pd = self.parallel_dims
+        return pd.get_mesh(["dp_replicate", "efsdp", "ep"] if pd.dp_replicate_enabled else ["efsdp", "ep"])
+
+    def distribute_experts(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A DTensor on the sparse mesh: ``Replicate`` on the data-parallel axes, ``Shard(0)`` on ``ep``
+        (``tensor``: the plan's replicated DTensor on the dense mesh, or a plain full tensor)."""
+        full = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        mesh = self._sparse_mesh()
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        return as_parameter_like(tensor, distribute_tensor(full.detach(), mesh, placements, src_data_rank=None))
+
+    def expert_fsdp_spec(self) -> FsdpSpec | None:
+        """The sparse mesh, FSDP over ``efsdp`` (and replicating over ``dp_replicate``)."""
+        pd = self.parallel_dims
+        if not pd.ep_enabled:
+            return None
+        return FsdpSpec(mesh=self._sparse_mesh(), dp_mesh_dims=DataParallelMeshDims(
+            shard="efsdp", replicate="dp_replicate" if pd.dp_replicate_enabled else None))
 
 
 REPRESENTATION = FullDTensorRepresentation

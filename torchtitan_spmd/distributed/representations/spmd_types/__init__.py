@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ...apply_plan import resolve_state
+from ...expert_parallel import ExpertExchange
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
@@ -57,6 +58,7 @@ from ...representation import (
     TensorRepresentation,
     as_parameter_like,
 )
+from .expert_exchange import TypedExpertExchange
 from .layout_types import annotate, distribute_tensor, layout_type, state_type, with_batch_axis
 from .mesh_context import active, axis_names, group
 from .redistribute import redistribute_per_axis, validate_redistributions
@@ -269,6 +271,39 @@ class SpmdTypesRepresentation(TensorRepresentation):
 
         param.register_hook(hook)
         setattr(param, _TP_GRAD_HOOKED, True)
+
+    # ------------------------------------------------------------------ expert parallelism
+    def _sparse_storage(self) -> tuple[DeviceMesh, Any]:
+        """The experts' FSDP storage mesh ``(dp_replicate, efsdp, ep)`` (``dp_replicate`` when active;
+        ``efsdp`` always: it spans the ranks of ``ep`` times its size) and its ``DataParallelMeshDims``."""
+        from torch.distributed.fsdp import DataParallelMeshDims  # torch >= 2.13 (checked at setup)
+
+        pd = self.parallel_dims
+        names = ["dp_replicate", "efsdp", "ep"] if pd.dp_replicate_enabled else ["efsdp", "ep"]
+        mesh = pd.get_mesh(names)
+        return mesh, DataParallelMeshDims(shard="efsdp", replicate="dp_replicate" if pd.dp_replicate_enabled else None)
+
+    def distribute_experts(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's experts as a plain tensor typed ``S(0)`` on ``ep`` and ``R`` on the expert
+        data-parallel axes (what FSDP's storage wants; the MoE body reads them in a local region)."""
+        mesh, _ = self._sparse_storage()
+        layout = SpmdLayout({"ep": st.S(0)})
+        value = as_parameter_like(tensor, distribute_tensor(tensor, mesh, layout))
+        annotate(value, *state_type(layout, mesh))
+        return value
+
+    def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
+        """:class:`TypedExpertExchange`: the expert side typed on ``(dp_replicate, efsdp, ep)``."""
+        pd = self.parallel_dims
+        mesh, _ = self._sparse_storage()
+        sparse = [mesh.get_group(n) for n in mesh.mesh_dim_names or () if pd.axis_size(n) > 1]
+        return TypedExpertExchange(group, [self._mesh().get_group(_DP)], sparse, mesh)
+
+    def expert_fsdp_spec(self) -> FsdpSpec | None:
+        if not self.parallel_dims.ep_enabled:
+            return None
+        mesh, dims = self._sparse_storage()
+        return FsdpSpec(mesh=mesh, dp_mesh_dims=dims)
 
     # ------------------------------------------------------------------ state
     def materialize(self, model: nn.Module, states: Mapping[str, StateLayout],

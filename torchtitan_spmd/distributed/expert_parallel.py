@@ -1,0 +1,274 @@
+"""Technique: expert parallelism (EP) -- experts sharded over ``ep``, tokens exchanged all-to-all.
+
+As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * cp * tp``
+(:class:`~torchtitan_spmd.distributed.parallel_dims.ParallelDims`); ``efsdp`` is the rest:
+
+- every MoE block's grouped expert weights ``w1, w2, w3`` (``[num_experts, ...]``) are
+  ``Shard(0)`` on ``ep``: rank ``r`` of the ``ep`` group holds experts
+  ``r * E/ep ... (r + 1) * E/ep - 1`` (:meth:`TensorRepresentation.distribute_experts`, a
+  DTensor or a typed local shard per backend); their checkpointed shape is the global one;
+- FSDP2 shards those weights over ``efsdp`` (``dp_replicate x efsdp`` for HSDP), one
+  ``fully_shard`` per expert module before the blocks' (:func:`apply_expert_fsdp`); every other
+  parameter is FSDP-sharded over ``fsdp`` as without EP;
+- in the forward, each rank routes its own tokens, sorts the (token, choice) rows by global
+  expert, and :class:`AllToAllDispatcher` sends each row to the rank holding its expert: the
+  counts per expert first (one ``all_to_all_single`` of ``E`` integers, no gradient), then the
+  rows (``all_to_all_single`` of variable splits through torch's functional collectives with
+  autograd). The rows that arrive are reordered from source-rank-major to local-expert-major,
+  run through this rank's experts, put back, and returned the same way (the combine). The
+  weighted sum per token stays on the token's rank (:class:`~torchtitan_spmd.models.moe.GroupedExperts`).
+  Backward is the transpose: the gradients take the same two all-to-alls in reverse.
+- under ``spmd_types`` the exchange is typed
+  (:class:`~torchtitan_spmd.distributed.representations.spmd_types.expert_exchange.TypedExpertExchange`):
+  the rows go ``V -> V`` on ``ep`` (re-typed from ``dp`` onto ``(dp_replicate, efsdp, ep)``),
+  the experts' output is a pending sum (``P@ep``: each rank's experts' share of its group's
+  rows) and the combine the sparse reduce-scatter it is (``P -> S(0)``), so with
+  ``--debug.spmd_typechecking`` a missing combine is an ``SpmdTypeError``.
+
+Not here yet (setup errors, :func:`validate_expert_parallel`): EP with tensor, context or pipeline
+parallelism, and ``expert_tensor_parallel_degree`` other than 1.
+
+Hand-rolled: the rank-major to expert-major permutation (torch has no op for it; upstream
+computes it the same way) and the split bookkeeping around torch's ``all_to_all_single``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchtitan_spmd.models.moe import GroupedExperts
+
+from .fsdp import clear_dtensor_sharding_caches
+from .layout import S, SpmdLayout
+from .representation import StateLayout, TensorRepresentation
+
+if TYPE_CHECKING:
+    from torchtitan_spmd.config import JobConfig
+
+    from .parallel_dims import ParallelDims
+
+__all__ = [
+    "EXPERT_LAYOUT",
+    "EXPERT_WEIGHTS",
+    "AllToAllDispatcher",
+    "DispatchState",
+    "ExpertExchange",
+    "apply_expert_fsdp",
+    "apply_expert_parallel",
+    "expert_modules",
+    "validate_expert_parallel",
+]
+
+#: The grouped weights of :class:`GroupedExperts` that EP shards (dim 0: the expert).
+EXPERT_WEIGHTS: tuple[str, ...] = ("w1", "w2", "w3")
+#: Their layout: ``Shard(0)`` on ``ep``.
+EXPERT_LAYOUT = SpmdLayout({"ep": S(0)})
+
+def expert_modules(model: nn.Module) -> list[tuple[str, GroupedExperts]]:
+    """``(fqn, module)`` of every :class:`GroupedExperts` of ``model``, in model order."""
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+# ======================================================================================
+# Setup errors
+# ======================================================================================
+def _moe_flavors() -> str:
+    from torchtitan_spmd.models import get_model_spec, model_families
+
+    names = []
+    for family in model_families():
+        spec = get_model_spec(family)
+        names += [f"{family} {flavor!r}" for flavor, c in spec.flavors.items() if getattr(c, "moe_enabled", False)]
+    return ", ".join(names) or "none"
+
+
+def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError at setup for what expert parallelism cannot run.
+
+    ``expert_tensor_parallel_degree`` must be 1 or ``tensor_parallel_degree`` (upstream's rule);
+    only 1 runs here. With ``expert_parallel_degree > 1``: a dense model (the MoE flavours are
+    named), experts not divisible by ``ep``, and EP with tensor, context or pipeline parallelism.
+    (``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
+    """
+    par, pd = job_config.parallelism, parallel_dims
+    etp = getattr(par, "expert_tensor_parallel_degree", 1)
+    if etp != 1:
+        valid = "1" if pd.tp == 1 else f"1 or tensor_parallel_degree={pd.tp}"
+        what = ("tensor parallelism of the experts is not implemented yet" if etp == pd.tp
+                else f"it must be {valid} (as upstream)")
+        raise ValueError(f"parallelism.expert_tensor_parallel_degree={etp}: {what}; set it to 1.")
+    if not pd.ep_enabled:
+        return
+    ep = f"parallelism.expert_parallel_degree={pd.ep}"
+    if not getattr(model_config, "moe_enabled", False):
+        raise ValueError(f"{ep} needs a mixture-of-experts model, and model.name={job_config.model.name!r} "
+                         f"model.flavor={job_config.model.flavor!r} is dense; the MoE flavours: {_moe_flavors()}. "
+                         "Or set parallelism.expert_parallel_degree=1.")
+    if model_config.num_experts % pd.ep:
+        divisors = [d for d in range(1, model_config.num_experts + 1) if model_config.num_experts % d == 0]
+        raise ValueError(f"{ep}: the model's num_experts={model_config.num_experts} is not divisible by it "
+                         f"(model.flavor={job_config.model.flavor!r}); valid degrees divide it: {divisors}.")
+    combos = {
+        "parallelism.tensor_parallel_degree": (pd.tp, "tensor parallelism"),
+        "parallelism.context_parallel_degree": (pd.cp, "context parallelism"),
+        "parallelism.pipeline_parallel_degree": (pd.pp, "pipeline parallelism"),
+    }
+    for field, (degree, what) in combos.items():
+        if degree > 1:
+            raise ValueError(f"{ep} with {field}={degree}: expert parallelism does not run with {what} yet; "
+                             f"set {field}=1 (EP borrows its ranks from data_parallel_shard_degree), or "
+                             "parallelism.expert_parallel_degree=1.")
+
+
+# ======================================================================================
+# The token exchange
+# ======================================================================================
+@dataclass(frozen=True)
+class DispatchState:
+    """What :meth:`AllToAllDispatcher.combine` needs from its dispatch.
+
+    ``perm``: the arrived rows' positions in local-expert-major order; ``sent`` / ``received``:
+    rows sent to / received from each rank of the ``ep`` group.
+    """
+
+    perm: torch.Tensor
+    sent: list[int]
+    received: list[int]
+
+
+class ExpertExchange:
+    """The collectives of expert parallelism over the ``ep`` group: torch's ``all_to_all_single``
+    (the rows' through the functional collectives, with autograd: the backward is the transposed
+    all-to-all). The group's timeout applies. A representation may type them (``spmd_types``)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Rank ``r`` gets chunk ``r`` of every rank's ``counts`` (even chunks; no gradient)."""
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        return received
+
+    def expert_side(self) -> AbstractContextManager[None]:
+        """The context from dispatch to combine (``spmd_types``: the ``ep`` mesh current)."""
+        return nullcontext()
+
+    def expert_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The local experts' output rows, before the combine (``spmd_types``: typed ``P`` on ``ep``)."""
+        return out
+
+    def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], *,
+             combine: bool) -> torch.Tensor:
+        """``input_splits[r]`` rows to rank ``r``, ``output_splits[r]`` from it (``combine``: the way
+        back, after the experts)."""
+        out = funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, self.group)
+        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+class AllToAllDispatcher:
+    """The expert-parallel token exchange of one MoE block over the ``ep`` group
+    (the :class:`~torchtitan_spmd.models.moe.TokenDispatcher` of its :class:`GroupedExperts`).
+
+    ``exchange``: the collectives (the representation's, :meth:`TensorRepresentation.expert_exchange`);
+    ``num_experts``: the global count (a multiple of the group size).
+    """
+
+    def __init__(self, exchange: ExpertExchange, num_experts: int) -> None:
+        self.exchange, self.num_experts = exchange, num_experts
+        self.ep = exchange.group.size()
+        if num_experts % self.ep:
+            raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by ep={self.ep}.")
+        self.local_experts = num_experts // self.ep
+
+    def counts_from_every_rank(self, counts: torch.Tensor) -> torch.Tensor:
+        """``[ep, local_experts]``: how many rows each rank sends to each of this rank's experts
+        (one all-to-all of the ``num_experts`` counts; no gradient)."""
+        with torch.no_grad():
+            received = self.exchange.counts(counts)
+        return received.view(self.ep, self.local_experts)
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """See :meth:`TokenDispatcher.dispatch`: the rows of this rank's experts, local-expert-major."""
+        by_rank = self.counts_from_every_rank(counts)
+        sent = counts.view(self.ep, self.local_experts).sum(dim=1).tolist()
+        received = by_rank.sum(dim=1).tolist()
+        arrived = self.exchange.rows(rows, received, sent, combine=False)
+        # Arrived rows are (source rank, local expert)-major; the experts want (local expert, rank).
+        segment = torch.arange(self.ep * self.local_experts, device=rows.device)
+        key = (segment % self.local_experts) * self.ep + segment // self.local_experts
+        perm = torch.argsort(key.repeat_interleave(by_rank.reshape(-1)), stable=True)
+        return arrived[perm], by_rank.sum(dim=0), DispatchState(perm=perm, sent=sent, received=received)
+
+    def combine(self, out: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """See :meth:`TokenDispatcher.combine`: the experts' rows back, in dispatch's order."""
+        back = self.exchange.expert_output(out[torch.argsort(state.perm)])
+        return self.exchange.rows(back, state.sent, state.received, combine=True)
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor,
+            experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """See :meth:`TokenDispatcher.run`: dispatch, this rank's ``experts``, combine (in the
+        exchange's :meth:`ExpertExchange.expert_side`)."""
+        with self.exchange.expert_side():
+            local_rows, local_counts, state = self.dispatch(rows, counts)
+            return self.combine(experts(local_rows, local_counts), state)
+
+
+# ======================================================================================
+# Applying it
+# ======================================================================================
+def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation,
+                          states: MutableMapping[str, StateLayout]) -> None:
+    """Shard every expert module's weights ``Shard(0)`` on ``ep`` and install its dispatcher.
+
+    After :func:`~torchtitan_spmd.distributed.apply_plan.apply_plan` (on the meta device):
+    ``states`` (its result) records the experts' layout and global shape for initialisation and
+    checkpoints. No-op without expert parallelism.
+    """
+    pd = representation.parallel_dims
+    if not pd.ep_enabled:
+        return
+    clear_dtensor_sharding_caches()  # the experts' DTensors must be on this trainer's meshes
+    group = pd.get_mesh("ep").get_group()  # its timeout (comm.set_pg_timeouts) governs every exchange
+    for fqn, experts in expert_modules(model):
+        for name in EXPERT_WEIGHTS:
+            key = f"{fqn}.{name}"
+            states[key] = StateLayout(EXPERT_LAYOUT, states[key].global_shape)
+            experts._parameters[name] = representation.distribute_experts(experts._parameters[name])  # type: ignore[arg-type]
+        experts.dispatcher = AllToAllDispatcher(representation.expert_exchange(group), experts.num_experts)
+
+
+def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,
+                      param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                      reshard_after_forward: bool | None = None) -> list[nn.Module]:
+    """``fully_shard`` every expert module over the representation's expert FSDP mesh
+    (``efsdp``, with ``dp_replicate`` for HSDP) with the dense units' mixed-precision policy,
+    before :func:`~torchtitan_spmd.distributed.fsdp.apply_fsdp` shards the blocks over ``fsdp``
+    (which then leaves the expert weights to these units); returns the units. No-op without
+    expert parallelism."""
+    spec = representation.expert_fsdp_spec()
+    if spec is None:
+        return []
+    kwargs: dict[str, Any] = {
+        "mesh": spec.mesh, "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                          cast_forward_inputs=False),
+    }
+    if spec.dp_mesh_dims is not None:
+        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
+        kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
+    units = [m for _, m in expert_modules(model)]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
+    return units

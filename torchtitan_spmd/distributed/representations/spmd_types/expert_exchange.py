@@ -1,0 +1,99 @@
+"""Expert parallelism's token exchange under ``spmd_types``, typed for the checker.
+
+See :class:`TypedExpertExchange`; the untyped exchange is
+:class:`~torchtitan_spmd.distributed.expert_parallel.ExpertExchange`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import spmd_types as st  # the library (absolute import), not this package
+import torch
+import torch.distributed as dist
+from spmd_types import P, R, V
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...expert_parallel import ExpertExchange
+
+__all__ = ["TypedExpertExchange"]
+
+
+class _TypedCombine(torch.autograd.Function):
+    """The combine's all-to-all (``all_to_all_single`` of variable splits; backward: the transposed
+    one), typed for the checker as the sparse reduce-scatter it is: ``P -> S(0)`` on ``ep``."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, group: dist.ProcessGroup, output_splits: list[int],
+                input_splits: list[int]) -> torch.Tensor:
+        ctx.comm = (group, output_splits, input_splits)
+        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        group, output_splits, input_splits = ctx.comm
+        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=group)
+        return out, None, None, None
+
+    @staticmethod
+    def spmd_typecheck(*, rows: Any, group: dist.ProcessGroup) -> Any:
+        from spmd_types import rules
+
+        return rules.reduce_scatter(rows, group, src=P, dst=st.S(0))
+
+
+class TypedExpertExchange(ExpertExchange):
+    """Expert parallelism's exchange, typed for ``--debug.spmd_typechecking``.
+
+    The block's tokens are typed on ``dp``; ``ep`` is a sub-axis of ``dp_shard`` (``dp_shard =
+    efsdp x ep`` here: no TP or CP under EP), and one tensor cannot be typed on both. So from the
+    dispatch to the combine the expert side runs on the orthogonal ``(dp_replicate, efsdp, ep)``
+    (``spmd_types.reinterpret_mesh``: a no-op on the data, checked to span the same ranks):
+
+    - dispatch: ``all_to_all(V -> V)`` of the rows on ``ep`` (the checker's rule of the collective);
+    - the experts' output: ``P`` on ``ep`` (``reinterpret``): each rank holds its experts' share
+      of the group's combined rows;
+    - combine: the sparse reduce-scatter ``P -> S(0)`` on ``ep`` (:class:`_TypedCombine`), then
+      back to ``dp``.
+
+    So a combine left out hands a pending sum (``P@ep``) to the block's ``dp``-typed arithmetic, an
+    ``SpmdTypeError``. Without the checker it is the untyped exchange.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, home: list[dist.ProcessGroup], sparse: list[dist.ProcessGroup],
+                 sparse_mesh: DeviceMesh) -> None:
+        super().__init__(group)
+        self.home, self.sparse, self.sparse_mesh = home, sparse, sparse_mesh
+
+    def _to(self, x: torch.Tensor, axes: list[dist.ProcessGroup]) -> torch.Tensor:
+        """``x`` re-typed onto ``axes`` (its types carried over: ``V`` stays ``V``, ``R`` stays ``R``)."""
+        return st.reinterpret_mesh(x, axes)
+
+    def expert_side(self) -> AbstractContextManager[None]:
+        return st.set_current_mesh(self.sparse_mesh) if st.is_type_checking() else contextlib.nullcontext()
+
+    def expert_output(self, out: torch.Tensor) -> torch.Tensor:
+        return st.reinterpret(out, self.group, src=V, dst=P) if st.is_type_checking() else out
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if not st.is_type_checking():
+            return super().counts(counts)
+        by_rank = self._to(counts.contiguous().view(self.group.size(), -1), self.sparse)
+        if st.get_local_type(by_rank).get(st.MeshAxis.of(self.group)) is R:  # moe_force_load_balance: equal everywhere
+            by_rank = st.reinterpret(by_rank, self.group, src=R, dst=V, expert_mode=True)  # each rank its own copy
+        # V -> V transposes the axis with dim 0: rank r gets row r of every rank's counts
+        return st.all_to_all(by_rank, self.group, src=V, dst=V).reshape(-1)
+
+    def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], *,
+             combine: bool) -> torch.Tensor:
+        if not st.is_type_checking():
+            return super().rows(rows, output_splits, input_splits, combine=combine)
+        if not combine:
+            return super().rows(self._to(rows, self.sparse), output_splits, input_splits, combine=False)
+        out = _TypedCombine.apply(rows, self.group, output_splits, input_splits)
+        return st.reinterpret_mesh(out, self.home)
