@@ -55,6 +55,7 @@ from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_
 from torchtitan_spmd.distributed.expert_parallel import (
     apply_expert_fsdp,
     apply_expert_parallel,
+    expert_parallel_plan,
     validate_expert_parallel,
 )
 from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
@@ -272,10 +273,10 @@ class Trainer:
             # (that fill only exposes reads of uninitialised memory, at the cost of a pass
             # over every torch.empty: 2% of a CPU step here).
             torch.utils.deterministic.fill_uninitialized_memory = False
-        self.plan = self.model_spec.sharding_plan(
+        self.plan = expert_parallel_plan(self.model_spec.sharding_plan(
             self.model_config, sequence_parallel=par.enable_sequence_parallel,
             loss_parallel=not par.disable_loss_parallel,
-        )
+        ), self.parallel_dims)
         with spmd_backend_scope(par.spmd_backend):
             self.model: nn.Module = self.build_model()
 
