@@ -383,7 +383,7 @@ class Trainer:
         apply_expert_parallel(model, rep, self.state_layouts)
         apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
-            apply_compile(model, cfg.compile)
+            apply_compile(model, cfg.compile, fullgraph=not self.parallel_dims.ep_enabled)
         roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
         param_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_param]
         reduce_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce]

@@ -11,7 +11,9 @@ set of forks per backend:
   global step's tokens x top-k / experts (counted once: not again over the TP ranks, which route
   the same tokens and each dispatch only their slice);
 - ``fsdp2_tp2_ep4`` (``default``): EP 4 over ``dp_shard x tp`` (two experts per rank, no
-  ``efsdp``).
+  ``efsdp``);
+- ``ep2_tp2_compile`` (``default``): the blocks compiled (``aot_eager``, not ``fullgraph`` under
+  EP: the experts' FSDP hooks break the graph), selective AC; Dynamo compiled graphs.
 
 ``spmd_types`` with EP x TP is a setup error (its typed exchange does not carry the ``tp`` typing
 over yet).
@@ -45,6 +47,12 @@ def ep_tp_cases(backend: str) -> list[Case]:
         par = ep4.parallelism
         par.data_parallel_shard_degree, par.tensor_parallel_degree, par.expert_parallel_degree = 2, 2, 4
         cases.append(Case("fsdp2_tp2_ep4", ep4, 2 * LOCAL_BATCH))
+        compiled = moe_config(backend, "fsdp4")
+        par = compiled.parallelism
+        par.data_parallel_shard_degree, par.tensor_parallel_degree, par.expert_parallel_degree = 2, 2, 2
+        compiled.activation_checkpoint.mode = "none"
+        compiled.compile.enable, compiled.compile.backend, compiled.compile.components = True, "aot_eager", ["model"]
+        cases.append(Case("ep2_tp2_compile", compiled, 2 * LOCAL_BATCH))
     return cases
 
 
@@ -55,3 +63,5 @@ def test_ep_with_tp_matches_the_reference(backend: str) -> None:
     got = run_cases(cases, 4)
     check_against_the_reference(backend, cases, got)
     check_counted_once(cases, got)
+    for case in cases:  # Dynamo compiled graphs in exactly the compiled runs
+        assert (sum(g[3] for g in got[case.name]) > 0) == case.config.compile.enable, case.name

@@ -210,7 +210,7 @@ class GroupedExperts(nn.Module):
             full, x, weights, ids = x, x[part], weights[part], ids[part]
             flat = ids.reshape(-1)
             counts = torch.zeros_like(counts).scatter_add_(0, flat, torch.ones_like(flat))
-            return torch.zeros_like(full).index_copy_(0, torch.arange(part.start, part.stop, device=x.device),
+            return torch.zeros_like(full).index_add_(0, torch.arange(part.start, part.stop, device=x.device),
                                                       self._routed(x, weights, ids, counts))
         return self._routed(x, weights, ids, counts)
 
