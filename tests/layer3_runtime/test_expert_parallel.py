@@ -224,13 +224,11 @@ def _moe_cfg(backend: str = "default", flavor: str = "moe_tiny", model: str = "q
      ["parallelism.tensor_parallel_degree=2", "not yet under 'spmd_types'", "'default'", "'full_dtensor'"]),
     (4, _moe_cfg("full_dtensor", data_parallel_shard_degree=2, context_parallel_degree=2, expert_parallel_degree=2),
      ["parallelism.context_parallel_degree=2", "context parallelism"]),
-    (8, _moe_cfg(data_parallel_shard_degree=4, pipeline_parallel_degree=2, expert_parallel_degree=2),
-     ["parallelism.pipeline_parallel_degree=2", "pipeline parallelism"]),
     (4, _moe_cfg(data_parallel_shard_degree=4, expert_tensor_parallel_degree=2),
      ["parallelism.expert_tensor_parallel_degree=2", "must be 1"]),
     (4, _moe_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
      ["parallelism.expert_tensor_parallel_degree=2", "not implemented yet", "set it to 1"]),
-], ids=["ep-not-dividing", "dense-model", "ep-with-tp-spmd-types", "ep-with-cp", "ep-with-pp", "etp-not-1-or-tp",
+], ids=["ep-not-dividing", "dense-model", "ep-with-tp-spmd-types", "ep-with-cp", "etp-not-1-or-tp",
         "etp-equal-tp"])
 def test_expert_parallel_setup_errors(fake_pg: Callable[[int], None], world: int, cfg: JobConfig,
                                       needles: list[str]) -> None:

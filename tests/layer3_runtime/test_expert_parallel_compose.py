@@ -1,4 +1,5 @@
-"""Layer 3: expert parallelism composed with tensor parallelism, on 4 real forked gloo ranks.
+"""Layer 3: expert parallelism composed with tensor and pipeline parallelism and compile, on 4 real
+forked gloo ranks.
 
 FSDP 2 x TP 2 x EP 2 (``moe_tiny``, 6 steps; ``ep`` takes the ``tp`` ranks, the experts
 ``Shard(0)`` on them and FSDP over ``efsdp`` = the ``dp_shard`` pairs) against the independent
@@ -15,16 +16,23 @@ set of forks per backend:
 - ``ep2_tp2_compile`` (``default``): the blocks compiled (``aot_eager``, not ``fullgraph`` under
   EP: the experts' FSDP hooks break the graph), selective AC; Dynamo compiled graphs.
 
+And PP 2 x FSDP 2 x EP 2 (1F1B, 4 ranks) under each backend against the reference.
+
 ``spmd_types`` with EP x TP is a setup error (its typed exchange does not carry the ``tp`` typing
 over yet).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from moe_compose_helpers import Case, check_against_the_reference, check_counted_once, run_cases
 from moe_helpers import moe_config
-from parity_helpers import LOCAL_BATCH, skip_full_dtensor_on_old_torch
+from parity_helpers import LOCAL_BATCH, NORM_TOL, TOL, max_rel, skip_full_dtensor_on_old_torch
+from pipeline_feature_helpers import pp2, pp_config, run_cells
+
+from torchtitan_spmd.config import JobConfig
 
 BACKENDS = ("default", "full_dtensor")  # spmd_types: a setup error (test_expert_parallel.py)
 
@@ -65,3 +73,28 @@ def test_ep_with_tp_matches_the_reference(backend: str) -> None:
     check_counted_once(cases, got)
     for case in cases:  # Dynamo compiled graphs in exactly the compiled runs
         assert (sum(g[3] for g in got[case.name]) > 0) == case.config.compile.enable, case.name
+
+
+def _pp_ep(backend: str, local_batch: int = 2, **parallelism: Any) -> JobConfig:
+    cfg = pp_config(parallelism, local_batch=local_batch, model="qwen3", flavor="moe_tiny")
+    cfg.parallelism.spmd_backend = backend
+    return cfg
+
+
+def test_ep_with_pp_matches_the_reference() -> None:
+    """PP 2 x FSDP 2 x EP 2 (1F1B; ``ep`` over the ``dp_shard`` pair of each stage, every stage's
+    experts exchanged within it) under each backend, one launch: the reference's losses and
+    gradient norms (4 steps, global batch 4), and every backend logging the same expert load."""
+    from torchtitan_spmd.reference import run_reference
+
+    cells = {b: _pp_ep(b, **pp2("1F1B", expert_parallel_degree=2)) for b in ("default", "full_dtensor", "spmd_types")}
+    got = run_cells(cells, 4)
+    ref = tuple(run_reference(_pp_ep("default", local_batch=4, data_parallel_shard_degree=1), global_batch=4))
+    for backend, cell in got.items():
+        loss, norm = [r[0] for r in cell.records], [r[1] for r in cell.records]
+        loss_diff, norm_diff = max_rel(loss, [r[0] for r in ref]), max_rel(norm, [r[1] for r in ref])
+        print(f"\nEP x PP {backend}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
+        assert loss_diff < TOL, (backend, loss, ref)
+        assert norm_diff < NORM_TOL, (backend, norm, ref)
+        assert all(r[2] is not None for r in cell.records)
+    assert len({tuple(r[2] for r in cell.records) for cell in got.values()}) == 1

@@ -38,8 +38,11 @@ gradient is then a share of a sum over ``tp`` (``Partial``). Upstream splits the
 the gather; here the block's gather and reduce-scatter stay (one boundary for MoE with and
 without EP).
 
-Not here yet (setup errors, :func:`validate_expert_parallel`): EP with context or pipeline
-parallelism, and ``expert_tensor_parallel_degree`` other than 1.
+With pipeline parallelism each stage's experts are exchanged within the stage's ``ep`` group
+(``ep`` borrows from the stage's ``dp_shard * cp * tp``); nothing more is needed.
+
+Not here yet (setup errors, :func:`validate_expert_parallel`): EP with context parallelism, and
+``expert_tensor_parallel_degree`` other than 1.
 
 Hand-rolled: the rank-major to expert-major permutation (torch has no op for it; upstream
 computes it the same way) and the split bookkeeping around torch's ``all_to_all_single``.
@@ -112,7 +115,7 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
 
     ``expert_tensor_parallel_degree`` must be 1 or ``tensor_parallel_degree`` (upstream's rule);
     only 1 runs here. With ``expert_parallel_degree > 1``: a dense model (the MoE flavours are
-    named), experts not divisible by ``ep``, and EP with context or pipeline parallelism.
+    named), experts not divisible by ``ep``, and EP with context parallelism.
     (``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
     """
     par, pd = job_config.parallelism, parallel_dims
@@ -135,7 +138,6 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
                          f"(model.flavor={job_config.model.flavor!r}); valid degrees divide it: {divisors}.")
     combos = {
         "parallelism.context_parallel_degree": (pd.cp, "context parallelism"),
-        "parallelism.pipeline_parallel_degree": (pd.pp, "pipeline parallelism"),
     }
     for field, (degree, what) in combos.items():
         if degree > 1:
