@@ -41,8 +41,12 @@ without EP).
 With pipeline parallelism each stage's experts are exchanged within the stage's ``ep`` group
 (``ep`` borrows from the stage's ``dp_shard * cp * tp``); nothing more is needed.
 
-Not here yet (setup errors, :func:`validate_expert_parallel`): EP with context parallelism, and
-``expert_tensor_parallel_degree`` other than 1.
+With context parallelism each CP rank routes its own sequence shard (its tokens differ from
+its CP peers', as a data-parallel rank's), so ``ep`` over ``cp`` ranks needs nothing more; the
+counts are summed over ``cp`` as without EP.
+
+Not here yet (a setup error, :func:`validate_expert_parallel`): ``expert_tensor_parallel_degree``
+other than 1.
 
 Hand-rolled: the rank-major to expert-major permutation (torch has no op for it; upstream
 computes it the same way) and the split bookkeeping around torch's ``all_to_all_single``.
@@ -115,8 +119,7 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
 
     ``expert_tensor_parallel_degree`` must be 1 or ``tensor_parallel_degree`` (upstream's rule);
     only 1 runs here. With ``expert_parallel_degree > 1``: a dense model (the MoE flavours are
-    named), experts not divisible by ``ep``, and EP with context parallelism.
-    (``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
+    named) and experts not divisible by ``ep``. (EP composes with TP, CP and PP; ``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
     """
     par, pd = job_config.parallelism, parallel_dims
     etp = getattr(par, "expert_tensor_parallel_degree", 1)
@@ -136,15 +139,6 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
         divisors = [d for d in range(1, model_config.num_experts + 1) if model_config.num_experts % d == 0]
         raise ValueError(f"{ep}: the model's num_experts={model_config.num_experts} is not divisible by it "
                          f"(model.flavor={job_config.model.flavor!r}); valid degrees divide it: {divisors}.")
-    combos = {
-        "parallelism.context_parallel_degree": (pd.cp, "context parallelism"),
-    }
-    for field, (degree, what) in combos.items():
-        if degree > 1:
-            raise ValueError(f"{ep} with {field}={degree}: expert parallelism does not run with {what} yet; "
-                             f"set {field}=1 (EP borrows its ranks from data_parallel_shard_degree "
-                             "and tensor_parallel_degree), or "
-                             "parallelism.expert_parallel_degree=1.")
 
 
 # ======================================================================================
@@ -260,13 +254,14 @@ class AllToAllDispatcher:
 # Applying it
 # ======================================================================================
 def expert_parallel_plan(plan: ShardingPlan, parallel_dims: ParallelDims) -> ShardingPlan:
-    """``plan`` without tensor parallelism of the experts when EP runs with TP
-    (``expert_tensor_parallel_degree = 1``, upstream's default): the ``*.experts`` entries go, so
+    """``plan`` without tensor parallelism of the experts when EP runs with TP or CP
+    (``expert_tensor_parallel_degree = 1``, upstream's default): the ``*.experts`` entries go
+    (with CP: their declared output, replicated over ``cp``, is not what the exchange returns), so
     the grouped weights stay whole over ``tp`` until :func:`apply_expert_parallel` shards them
     over ``ep``; the MoE block keeps its boundaries (tokens gathered over ``tp``, its output a
     pending sum over ``tp``: each TP rank dispatches its slice, :meth:`AllToAllDispatcher.token_slice`).
     ``plan`` itself otherwise."""
-    if not (parallel_dims.ep_enabled and parallel_dims.tp_enabled):
+    if not (parallel_dims.ep_enabled and (parallel_dims.tp_enabled or parallel_dims.cp_enabled)):
         return plan
     modules = {k: v for k, v in plan.modules.items() if not k.endswith(".experts")}
     return dataclasses.replace(plan, modules=modules)

@@ -115,15 +115,6 @@ class SpmdTypesRepresentation(TensorRepresentation):
     def validate(self, job_config: JobConfig) -> None:
         super().validate(job_config)
         self._check_fsdp_support()
-        pd = self.parallel_dims
-        if pd.ep_enabled and pd.tp_enabled:
-            # The typed exchange re-types the rows from dp onto (efsdp, ep); with TP the MoE block's
-            # tokens are typed on tp too, which it does not carry over yet (measured: SpmdTypeError).
-            raise ValueError(
-                f"parallelism.expert_parallel_degree={pd.ep} with parallelism.tensor_parallel_degree={pd.tp}: "
-                "expert parallelism with tensor parallelism runs under spmd_backend 'default' and "
-                "'full_dtensor', not yet under 'spmd_types'; set parallelism.spmd_backend to one of "
-                "those, or tensor_parallel_degree=1 or expert_parallel_degree=1.")
         mode = job_config.activation_checkpoint.mode
         if job_config.debug.spmd_typechecking and mode != "none":
             # Measured: on torch 2.11 the checker stops at torch.utils.checkpoint's
@@ -306,7 +297,12 @@ class SpmdTypesRepresentation(TensorRepresentation):
         pd = self.parallel_dims
         mesh, _ = self._sparse_storage()
         sparse = [mesh.get_group(n) for n in mesh.mesh_dim_names or () if pd.axis_size(n) > 1]
-        return TypedExpertExchange(group, [self._mesh().get_group(_DP)], sparse, mesh)
+        dense = self._mesh()
+        from .mesh_context import group as axis_group  # (``group`` is the argument here)
+
+        home = [axis_group(dense, a) for a in (*_LOSS_AXES, "tp") if active(dense, a)]  # the axes the tokens are on
+        split = axis_group(dense, "tp") if active(dense, "tp") else None
+        return TypedExpertExchange(group, home, sparse, mesh, split)
 
     def expert_fsdp_spec(self) -> FsdpSpec | None:
         if not self.parallel_dims.ep_enabled:
