@@ -1,8 +1,9 @@
 """Layer 4: pipeline parallelism under ``spmd_types``, and type checking per stage.
 
 - Parity with the independent float64 reference (no pipeline code in it) within 1e-5: PP 2 x FSDP 2
-  1F1B, PP 2 x TP 2 GPipe, PP 2 x FSDP 2 Interleaved1F1B (two stages a rank), PP 2 x CP 2 1F1B and
-  PP 2 x TP 2 Interleaved1F1B (four stages); all but the first with ``debug.spmd_typechecking``:
+  1F1B, PP 2 x TP 2 GPipe, PP 2 x FSDP 2 Interleaved1F1B (two stages a rank), PP 2 x CP 2 1F1B,
+  PP 2 x FSDP 2 ZBVZeroBubble (split backwards: input, then weight gradients) and PP 2 x TP 2
+  Interleaved1F1B (four stages); all but the first with ``debug.spmd_typechecking``:
   each stage's forward and the loss type-checked on their own, a stage's inputs typed from the
   plan's ``stage_boundary`` (the checker decided ops: ``checked_ops > 0``).
 - A plan that drops the rowwise reduction of ``layers.1.feed_forward.w2`` (stage 2 of 4, a middle
