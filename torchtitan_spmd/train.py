@@ -58,7 +58,7 @@ from torchtitan_spmd.distributed.expert_parallel import (
     expert_parallel_plan,
     validate_expert_parallel,
 )
-from torchtitan_spmd.distributed.fsdp import apply_fsdp, set_gradient_sync
+from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches, set_gradient_sync
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.loss import (
@@ -368,6 +368,10 @@ class Trainer:
         of the model, the plan restricted to it) goes through the same steps.
         """
         rep, cfg = self.representation, self.job_config
+        # DTensor's sharding caches key on mesh equality: an equal mesh of an earlier trainer in this
+        # process (a notebook, a fake-process-group setup before a fork) must not come back from them
+        # on this trainer's parameters, with process groups that no longer exist.
+        clear_dtensor_sharding_caches()
         with torch.device("meta"):
             model = self.model_spec.build(self.model_config)
         set_force_load_balance(model, cfg.debug.moe_force_load_balance)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity_helpers import job_config, reference, warm_parent
+from pipeline_feature_helpers import SCHEDULES
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
@@ -65,10 +66,17 @@ _CP2_1F1B = {"context_parallel_degree": 2, "pipeline_parallel_schedule": "1F1B"}
 _TP2_INTERLEAVED = {"tensor_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B",
                     "enable_sequence_parallel": False}
 
-#: name -> cell; the parity cells of the issue per backend, one PP x CP cell each, and the planted
-#: missing collective trained without the checker.
+#: A CSV schedule with split backwards (``I``/``W`` actions), two stages a rank (loop placement).
+_CSV_SPLIT_BACKWARD = {**_fsdp2("PipelineScheduleMulti"),
+                       "pipeline_parallel_schedule_csv": str(SCHEDULES / "pp2_looped_zero_bubble.csv")}
+
+#: name -> cell; the parity cells of the issue per backend, one PP x CP cell each, a schedule that
+#: splits each backward in two (input, then weight gradients) each, and the planted missing
+#: collective trained without the checker.
 PARITY_CELLS: dict[str, Cell] = {
     "full_dtensor-pp2_fsdp2_1f1b": Cell("full_dtensor", _fsdp2("1F1B")),
+    "full_dtensor-pp2_fsdp2_zbvzerobubble": Cell("full_dtensor", _fsdp2("ZBVZeroBubble")),
+    "full_dtensor-pp2_fsdp2_csv_split_backward": Cell("full_dtensor", _CSV_SPLIT_BACKWARD),
     "full_dtensor-pp2_tp2_gpipe": Cell("full_dtensor", _TP2_GPIPE, local_batch=4, microbatch=2),
     "full_dtensor-pp2_fsdp2_interleaved1f1b": Cell("full_dtensor", _fsdp2("Interleaved1F1B")),
     "full_dtensor-pp2_cp2_1f1b": Cell("full_dtensor", _CP2_1F1B),
@@ -77,6 +85,7 @@ PARITY_CELLS: dict[str, Cell] = {
                                            typecheck=True),
     "spmd_types-pp2_fsdp2_interleaved1f1b-typed": Cell("spmd_types", _fsdp2("Interleaved1F1B"), typecheck=True),
     "spmd_types-pp2_cp2_1f1b-typed": Cell("spmd_types", _CP2_1F1B, typecheck=True),
+    "spmd_types-pp2_fsdp2_zbvzerobubble-typed": Cell("spmd_types", _fsdp2("ZBVZeroBubble"), typecheck=True),
     "spmd_types-pp2_tp2_interleaved1f1b-typed": Cell("spmd_types", _TP2_INTERLEAVED, local_batch=4, microbatch=2,
                                                      typecheck=True),
     "spmd_types-missing_reduce_in_stage2-unchecked": Cell("spmd_types", _TP2_INTERLEAVED, local_batch=4,

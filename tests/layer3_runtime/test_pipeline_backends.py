@@ -3,7 +3,11 @@
 Each stage is a model part parallelized by the same plan; torch's pipelining sends and receives
 plain local tensors, and a stage takes what it receives back into a DTensor with the layout the
 plan declares for the stage boundary (``ShardingPlan.stage_boundary``). The reference
-(``torchtitan_spmd/reference.py``, float64) has no pipeline code. The ``spmd_types`` cells and type checking per
+(``torchtitan_spmd/reference.py``, float64) has no pipeline code. Cells: PP 2 x FSDP 2 1F1B, PP 2 x TP 2 GPipe,
+PP 2 x FSDP 2 Interleaved1F1B, PP 2 x CP 2 1F1B, and two that split each backward in two (input, then
+weight gradients: torch's ``stage_backward_input`` detaches each stage output in place, which a
+DTensor's ``to_local`` view refused before the boundary copied it): PP 2 x FSDP 2 ZBVZeroBubble, and
+the looped zero-bubble CSV (``I``/``W`` actions). The ``spmd_types`` cells and type checking per
 stage are in ``tests/layer4_spmd_types/test_pipeline_spmd.py``.
 """
 

@@ -1,10 +1,13 @@
 """Layer 4: pipeline parallelism under ``spmd_types``, and type checking per stage.
 
 - Parity with the independent float64 reference (no pipeline code in it) within 1e-5: PP 2 x FSDP 2
-  1F1B, PP 2 x TP 2 GPipe, PP 2 x FSDP 2 Interleaved1F1B (two stages a rank), PP 2 x CP 2 1F1B and
-  PP 2 x TP 2 Interleaved1F1B (four stages); all but the first with ``debug.spmd_typechecking``:
+  1F1B, PP 2 x TP 2 GPipe, PP 2 x FSDP 2 Interleaved1F1B (two stages a rank), PP 2 x CP 2 1F1B,
+  PP 2 x FSDP 2 ZBVZeroBubble (split backwards: input, then weight gradients) and PP 2 x TP 2
+  Interleaved1F1B (four stages); all but the first with ``debug.spmd_typechecking``:
   each stage's forward and the loss type-checked on their own, a stage's inputs typed from the
-  plan's ``stage_boundary`` (the checker decided ops: ``checked_ops > 0``).
+  plan's ``stage_boundary`` (the checker decided ops inside the stages' own contexts:
+  ``checked_in_stages > 0``; the trainer checks its token count outside the schedule too, so a
+  count over the whole step would not tell).
 - A plan that drops the rowwise reduction of ``layers.1.feed_forward.w2`` (stage 2 of 4, a middle
   stage): without the checker a silently wrong loss, with it an ``SpmdTypeError`` naming the module.
 - An undeclared stage boundary (``stage_boundary=None``) is a setup error (see also layer 3).
@@ -12,8 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -44,13 +48,32 @@ SPMD_CELLS = {k: v for k, v in PARITY_CELLS.items() if v.backend == "spmd_types"
 
 
 def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, Any]:
-    """:func:`train_cell`, and how many ops went through the type checker (its decision cache:
-    checked, or replayed; 0: nothing was checked)."""
+    """:func:`train_cell`, how many ops went through the type checker (its decision cache:
+    checked, or replayed; 0: nothing was checked), and how many of them inside the stages'
+    own contexts (``StageBoundaries.context``: a stage's forward or the loss; the trainer's
+    checked token count outside the schedule does not count there)."""
+    from unittest import mock
+
+    from torchtitan_spmd.distributed.pipeline_parallel import StageBoundaries
     from torchtitan_spmd.distributed.representations.spmd_types.typecheck import DECISION_CACHE
 
+    def ops() -> int:
+        return DECISION_CACHE.misses + DECISION_CACHE.unkeyed + DECISION_CACHE.hits
+
+    in_stages = [0]
+    original = StageBoundaries.context
+
+    @contextlib.contextmanager
+    def counted(self: StageBoundaries) -> Iterator[None]:
+        before = ops()
+        with original(self):
+            yield
+        in_stages[0] += ops() - before
+
     DECISION_CACHE.clear()
-    result = train_cell(cell)
-    return {**result, "checked_ops": DECISION_CACHE.misses + DECISION_CACHE.unkeyed + DECISION_CACHE.hits}
+    with mock.patch.object(StageBoundaries, "context", counted):
+        result = train_cell(cell)
+    return {**result, "checked_ops": ops(), "checked_in_stages": in_stages[0]}
 
 
 @pytest.mark.multiproc
@@ -59,7 +82,7 @@ def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
     result = run_cell(SPMD_CELLS[cell], train=_train_counting_checked_ops)
     assert_matches_reference(result["records"], pp_reference(SPMD_CELLS[cell].global_batch))
     if SPMD_CELLS[cell].typecheck:
-        assert result["checked_ops"] > 0, result  # the stages ran under the checker
+        assert result["checked_in_stages"] > 0, result  # the stages ran under the checker
 
 
 @pytest.mark.multiproc
@@ -87,6 +110,7 @@ def test_spmd_typechecking_steps_turns_the_stages_checker_off() -> None:
     one_step = run_cell(dataclasses.replace(cell, steps=1), train=_train_counting_checked_ops)
     assert len(first_only["records"]) == 4 and len(one_step["records"]) == 1
     assert first_only["checked_ops"] == one_step["checked_ops"] > 0, (first_only, one_step)
+    assert first_only["checked_in_stages"] == one_step["checked_in_stages"] > 0, (first_only, one_step)
 
 
 def test_an_undeclared_stage_boundary_is_a_setup_error(fake_world: Callable[..., None]) -> None:

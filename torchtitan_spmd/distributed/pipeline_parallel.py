@@ -31,7 +31,7 @@ sized and placed by ``pipeline_parallel_schedule`` as upstream.
 Stage boundaries (:class:`StageBoundaries`): torch's pipelining only ever sends, receives and
 splits plain local tensors; each stage's forward takes what it receives into the backend's form
 with the layout the plan declares for it (``ShardingPlan.stage_boundary``) and returns its local
-value. With ``debug.spmd_typechecking`` each stage's forward (and the loss) is type-checked on
+value (copied where it is a view: the split-backward schedules detach it in place). With ``debug.spmd_typechecking`` each stage's forward (and the loss) is type-checked on
 its own, its inputs typed from those layouts.
 """
 
@@ -322,6 +322,17 @@ class _StepLoss:
 
 
 # ----------------------------------------------------------------------------- stage boundaries
+def _not_a_view(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied where it is a view of another tensor (a DTensor's ``to_local`` is one).
+
+    A schedule that splits the backward in two (``I`` then ``W`` actions: InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV, or a CSV with them) frees each stage output's graph after the
+    input backward with ``Tensor.detach_()`` (torch's ``stage_backward_input``), which autograd
+    refuses on a view ("Can't detach views in-place"). A copy is not a view; it costs one
+    activation copy a microbatch, and nothing where the output is already its own tensor."""
+    return x.clone() if x._is_view() else x
+
+
 @dataclass
 class StageBoundaries:
     """How each stage's forward meets torch's pipelining under one representation.
@@ -331,7 +342,8 @@ class StageBoundaries:
     it is given -- the previous stage's activation, or on the first stage this microbatch's
     tokens -- as ``representation.from_local(x, layout)`` with the layout the plan declares:
     ``plan.stage_boundary`` for an activation, the input layouts (:mod:`.inputs`) for the
-    tokens, labels and positions, the plan's output layout for the logits. A ``full_dtensor``
+    tokens, labels and positions, the plan's output layout for the logits (a returned view is
+    copied, see :func:`_not_a_view`). A ``full_dtensor``
     stage thus receives the DTensor its first module expects (the plan, not metadata sent
     along with the tensor, decides its placements: upstream's ``get_mesh`` callback is not
     needed), an ``spmd_types`` stage a tensor typed as the plan says, and a ``default`` stage
@@ -398,7 +410,7 @@ class StageBoundaries:
         def leave(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if open_contexts:
                 open_contexts.pop().close()
-            return rep.to_local(output) if isinstance(output, torch.Tensor) else output
+            return _not_a_view(rep.to_local(output)) if isinstance(output, torch.Tensor) else output
 
         module.register_forward_pre_hook(enter, prepend=True, with_kwargs=True)
         module.register_forward_hook(leave, always_call=True)
