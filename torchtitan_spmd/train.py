@@ -58,7 +58,11 @@ from torchtitan_spmd.distributed.expert_parallel import (
     expert_parallel_plan,
     validate_expert_parallel,
 )
-from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches, set_gradient_sync
+from torchtitan_spmd.distributed.fsdp import (
+    apply_fsdp,
+    clear_dtensor_sharding_caches,
+    set_gradient_sync,
+)
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.loss import (
