@@ -55,9 +55,14 @@ from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_
 from torchtitan_spmd.distributed.expert_parallel import (
     apply_expert_fsdp,
     apply_expert_parallel,
+    expert_parallel_plan,
     validate_expert_parallel,
 )
-from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches, set_gradient_sync
+from torchtitan_spmd.distributed.fsdp import (
+    apply_fsdp,
+    clear_dtensor_sharding_caches,
+    set_gradient_sync,
+)
 from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.loss import (
@@ -272,10 +277,10 @@ class Trainer:
             # (that fill only exposes reads of uninitialised memory, at the cost of a pass
             # over every torch.empty: 2% of a CPU step here).
             torch.utils.deterministic.fill_uninitialized_memory = False
-        self.plan = self.model_spec.sharding_plan(
+        self.plan = expert_parallel_plan(self.model_spec.sharding_plan(
             self.model_config, sequence_parallel=par.enable_sequence_parallel,
             loss_parallel=not par.disable_loss_parallel,
-        )
+        ), self.parallel_dims)
         with spmd_backend_scope(par.spmd_backend):
             self.model: nn.Module = self.build_model()
 
@@ -386,7 +391,7 @@ class Trainer:
         apply_expert_parallel(model, rep, self.state_layouts)
         apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable and "model" in cfg.compile.components:
-            apply_compile(model, cfg.compile)
+            apply_compile(model, cfg.compile, fullgraph=not self.parallel_dims.ep_enabled)
         roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
         param_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_param]
         reduce_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce]

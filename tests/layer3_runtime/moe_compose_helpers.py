@@ -97,11 +97,16 @@ def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[
 
 def run_cases(cases: list[Case], world: int) -> dict[str, list[tuple[Any, ...]]]:
     """Each case's per-step ``(loss, grad_norm, (min, max) tokens per expert, graphs Dynamo compiled
-    in the run)``; every rank must agree."""
+    in the run)`` of rank 0; every rank must log the same numbers (the graph counts may differ:
+    under expert parallelism Dynamo breaks the graph at rank-dependent places)."""
     warm_parent()
     per_rank = run_forked(_worker, world, [c.config for c in cases], timeout_s=600)
+
+    def numbers(records: list[list[tuple[Any, ...]]]) -> list[list[tuple[Any, ...]]]:
+        return [[step[:3] for step in run] for run in records]
+
     for rank, records in enumerate(per_rank):
-        if records != per_rank[0]:
+        if numbers(records) != numbers(per_rank[0]):
             raise AssertionError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
     return {c.name: got for c, got in zip(cases, per_rank[0], strict=True)}
 

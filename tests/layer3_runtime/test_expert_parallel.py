@@ -220,17 +220,11 @@ def _moe_cfg(backend: str = "default", flavor: str = "moe_tiny", model: str = "q
      ["ep (3) must divide dp_shard * cp * tp"]),
     (4, _moe_cfg(model="llama3", flavor="tiny", data_parallel_shard_degree=4, expert_parallel_degree=2),
      ["parallelism.expert_parallel_degree=2", "dense", "qwen3 'moe_tiny'", "qwen3 'debugmodel_moe'"]),
-    (4, _moe_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
-     ["parallelism.tensor_parallel_degree=2", "expert parallelism does not run with tensor parallelism"]),
-    (4, _moe_cfg("full_dtensor", data_parallel_shard_degree=2, context_parallel_degree=2, expert_parallel_degree=2),
-     ["parallelism.context_parallel_degree=2", "context parallelism"]),
-    (8, _moe_cfg(data_parallel_shard_degree=4, pipeline_parallel_degree=2, expert_parallel_degree=2),
-     ["parallelism.pipeline_parallel_degree=2", "pipeline parallelism"]),
     (4, _moe_cfg(data_parallel_shard_degree=4, expert_tensor_parallel_degree=2),
      ["parallelism.expert_tensor_parallel_degree=2", "must be 1"]),
     (4, _moe_cfg(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
      ["parallelism.expert_tensor_parallel_degree=2", "not implemented yet", "set it to 1"]),
-], ids=["ep-not-dividing", "dense-model", "ep-with-tp", "ep-with-cp", "ep-with-pp", "etp-not-1-or-tp",
+], ids=["ep-not-dividing", "dense-model", "etp-not-1-or-tp",
         "etp-equal-tp"])
 def test_expert_parallel_setup_errors(fake_pg: Callable[[int], None], world: int, cfg: JobConfig,
                                       needles: list[str]) -> None:

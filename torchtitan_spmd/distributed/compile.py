@@ -63,8 +63,13 @@ def validate_compile(job_config: JobConfig, representation: TensorRepresentation
         )
 
 
-def apply_compile(model: nn.Module, compile_config: CompileConfig) -> nn.Module:
-    """Compile every block of ``model.layers`` in place (``fullgraph=True``); returns ``model``."""
+def apply_compile(model: nn.Module, compile_config: CompileConfig, *, fullgraph: bool = True) -> nn.Module:
+    """Compile every block of ``model.layers`` in place (``fullgraph=True``); returns ``model``.
+
+    ``fullgraph=False`` under expert parallelism: the experts are their own FSDP units inside
+    the block (``expert_parallel.apply_expert_fsdp``), and FSDP's hooks are ``torch._dynamo.disable``d
+    (measured, torch 2.14: ``Unsupported: Call to torch._dynamo.disable()`` with fullgraph), so
+    Dynamo breaks the graph around them and around the exchange's data-dependent splits."""
     layers = getattr(model, "layers", None)
     # An empty container is a pipeline stage holding no block (e.g. the embedding alone).
     if not isinstance(layers, nn.Module):
@@ -74,7 +79,7 @@ def apply_compile(model: nn.Module, compile_config: CompileConfig) -> nn.Module:
         )
     _dynamo_config()
     for block in layers.children():
-        block.compile(backend=compile_config.backend, fullgraph=True)
+        block.compile(backend=compile_config.backend, fullgraph=fullgraph)
     return model
 
 

@@ -25,8 +25,28 @@ As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * c
   rows) and the combine the sparse reduce-scatter it is (``P -> S(0)``), so with
   ``--debug.spmd_typechecking`` a missing combine is an ``SpmdTypeError``.
 
-Not here yet (setup errors, :func:`validate_expert_parallel`): EP with tensor, context or pipeline
-parallelism, and ``expert_tensor_parallel_degree`` other than 1.
+With tensor parallelism (``expert_tensor_parallel_degree = 1``, upstream's default) ``ep`` takes
+the ``tp`` ranks first (``ep = tp``: the TP group; ``ep = dp_shard * tp``: all of them). The
+experts are not TP-sharded (:func:`expert_parallel_plan`); the MoE block keeps its TP
+boundaries (the tokens gathered over ``tp``, the output a pending sum over ``tp`` reduced at
+the block's output, as the MoE without EP); every TP rank routes all the gathered tokens (the
+load-balancing counts are the same on every TP rank and summed over the data ranks only:
+counted once) and dispatches only its own ``1/tp`` slice of them, so each token goes through
+its experts once per TP group, and the output is zero outside the slice. The router gate's
+gradient is then a share of a sum over ``tp`` (``Partial``). Upstream splits the same way
+(``sp_size``/``sp_rank`` of its token dispatcher) but takes the sequence-parallel shard without
+the gather; here the block's gather and reduce-scatter stay (one boundary for MoE with and
+without EP).
+
+With pipeline parallelism each stage's experts are exchanged within the stage's ``ep`` group
+(``ep`` borrows from the stage's ``dp_shard * cp * tp``); nothing more is needed.
+
+With context parallelism each CP rank routes its own sequence shard (its tokens differ from
+its CP peers', as a data-parallel rank's), so ``ep`` over ``cp`` ranks needs nothing more; the
+counts are summed over ``cp`` as without EP.
+
+Not here yet (a setup error, :func:`validate_expert_parallel`): ``expert_tensor_parallel_degree``
+other than 1.
 
 Hand-rolled: the rank-major to expert-major permutation (torch has no op for it; upstream
 computes it the same way) and the split bookkeeping around torch's ``all_to_all_single``.
@@ -34,6 +54,7 @@ computes it the same way) and the split bookkeeping around torch's ``all_to_all_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -55,6 +76,7 @@ if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
 
     from .parallel_dims import ParallelDims
+    from .plan import ShardingPlan
 
 __all__ = [
     "EXPERT_LAYOUT",
@@ -65,6 +87,7 @@ __all__ = [
     "apply_expert_fsdp",
     "apply_expert_parallel",
     "expert_modules",
+    "expert_parallel_plan",
     "validate_expert_parallel",
 ]
 
@@ -96,8 +119,7 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
 
     ``expert_tensor_parallel_degree`` must be 1 or ``tensor_parallel_degree`` (upstream's rule);
     only 1 runs here. With ``expert_parallel_degree > 1``: a dense model (the MoE flavours are
-    named), experts not divisible by ``ep``, and EP with tensor, context or pipeline parallelism.
-    (``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
+    named) and experts not divisible by ``ep``. (EP composes with TP, CP and PP; ``ep`` not dividing ``dp_shard * cp * tp`` is :class:`ParallelDims`' error.)
     """
     par, pd = job_config.parallelism, parallel_dims
     etp = getattr(par, "expert_tensor_parallel_degree", 1)
@@ -117,16 +139,6 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
         divisors = [d for d in range(1, model_config.num_experts + 1) if model_config.num_experts % d == 0]
         raise ValueError(f"{ep}: the model's num_experts={model_config.num_experts} is not divisible by it "
                          f"(model.flavor={job_config.model.flavor!r}); valid degrees divide it: {divisors}.")
-    combos = {
-        "parallelism.tensor_parallel_degree": (pd.tp, "tensor parallelism"),
-        "parallelism.context_parallel_degree": (pd.cp, "context parallelism"),
-        "parallelism.pipeline_parallel_degree": (pd.pp, "pipeline parallelism"),
-    }
-    for field, (degree, what) in combos.items():
-        if degree > 1:
-            raise ValueError(f"{ep} with {field}={degree}: expert parallelism does not run with {what} yet; "
-                             f"set {field}=1 (EP borrows its ranks from data_parallel_shard_degree), or "
-                             "parallelism.expert_parallel_degree=1.")
 
 
 # ======================================================================================
@@ -180,15 +192,30 @@ class AllToAllDispatcher:
     (the :class:`~torchtitan_spmd.models.moe.TokenDispatcher` of its :class:`GroupedExperts`).
 
     ``exchange``: the collectives (the representation's, :meth:`TensorRepresentation.expert_exchange`);
-    ``num_experts``: the global count (a multiple of the group size).
+    ``num_experts``: the global count (a multiple of the group size); ``tp`` (tensor parallelism:
+    ``(rank, size)`` in the ``tp`` group, whose ranks hold the same, gathered tokens): this rank
+    dispatches only its contiguous ``1/size`` of the block's tokens (:meth:`token_slice`).
     """
 
-    def __init__(self, exchange: ExpertExchange, num_experts: int) -> None:
-        self.exchange, self.num_experts = exchange, num_experts
+    def __init__(self, exchange: ExpertExchange, num_experts: int, tp: tuple[int, int] | None = None) -> None:
+        self.exchange, self.num_experts, self.tp = exchange, num_experts, tp
         self.ep = exchange.group.size()
         if num_experts % self.ep:
             raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by ep={self.ep}.")
         self.local_experts = num_experts // self.ep
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        """See :attr:`TokenDispatcher.partial_axes`: ``("tp",)`` under tensor parallelism."""
+        return ("tp",) if self.tp is not None else ()
+
+    def token_slice(self, num_tokens: int) -> slice | None:
+        """See :meth:`TokenDispatcher.token_slice`: TP rank ``r`` of ``n`` takes tokens
+        ``r*T//n ... (r+1)*T//n - 1``; None without tensor parallelism."""
+        if self.tp is None:
+            return None
+        rank, size = self.tp
+        return slice(rank * num_tokens // size, (rank + 1) * num_tokens // size)
 
     def counts_from_every_rank(self, counts: torch.Tensor) -> torch.Tensor:
         """``[ep, local_experts]``: how many rows each rank sends to each of this rank's experts
@@ -226,6 +253,20 @@ class AllToAllDispatcher:
 # ======================================================================================
 # Applying it
 # ======================================================================================
+def expert_parallel_plan(plan: ShardingPlan, parallel_dims: ParallelDims) -> ShardingPlan:
+    """``plan`` without tensor parallelism of the experts when EP runs with TP or CP
+    (``expert_tensor_parallel_degree = 1``, upstream's default): the ``*.experts`` entries go
+    (with CP: their declared output, replicated over ``cp``, is not what the exchange returns), so
+    the grouped weights stay whole over ``tp`` until :func:`apply_expert_parallel` shards them
+    over ``ep``; the MoE block keeps its boundaries (tokens gathered over ``tp``, its output a
+    pending sum over ``tp``: each TP rank dispatches its slice, :meth:`AllToAllDispatcher.token_slice`).
+    ``plan`` itself otherwise."""
+    if not (parallel_dims.ep_enabled and (parallel_dims.tp_enabled or parallel_dims.cp_enabled)):
+        return plan
+    modules = {k: v for k, v in plan.modules.items() if not k.endswith(".experts")}
+    return dataclasses.replace(plan, modules=modules)
+
+
 def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation,
                           states: MutableMapping[str, StateLayout]) -> None:
     """Shard every expert module's weights ``Shard(0)`` on ``ep`` and install its dispatcher.
@@ -239,12 +280,13 @@ def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation
         return
     clear_dtensor_sharding_caches()  # the experts' DTensors must be on this trainer's meshes
     group = pd.get_mesh("ep").get_group()  # its timeout (comm.set_pg_timeouts) governs every exchange
+    tp = (pd.get_mesh("tp").get_local_rank(), pd.tp) if pd.tp_enabled else None
     for fqn, experts in expert_modules(model):
         for name in EXPERT_WEIGHTS:
             key = f"{fqn}.{name}"
             states[key] = StateLayout(EXPERT_LAYOUT, states[key].global_shape)
             experts._parameters[name] = representation.distribute_experts(experts._parameters[name])  # type: ignore[arg-type]
-        experts.dispatcher = AllToAllDispatcher(representation.expert_exchange(group), experts.num_experts)
+        experts.dispatcher = AllToAllDispatcher(representation.expert_exchange(group), experts.num_experts, tp)
 
 
 def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,

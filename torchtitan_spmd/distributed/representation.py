@@ -291,11 +291,13 @@ class TensorRepresentation(ABC):
     # ------------------------------------------------------------------ expert parallelism
     def distribute_experts(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a grouped expert weight ``[num_experts, ...]``: ``Shard(0)`` on the
-        1-D ``ep`` mesh (a DTensor; ``spmd_types`` overrides it). May be on the meta device."""
-        from torch.distributed.tensor import Shard, distribute_tensor
+        1-D ``ep`` mesh (a DTensor; ``spmd_types`` overrides it). May be on the meta device.
+        ``tensor``: a plain full tensor, or (tensor parallelism) the plan's DTensor replicated on ``tp``."""
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+        full = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         ep = self.parallel_dims.get_mesh("ep")
-        return as_parameter_like(tensor, distribute_tensor(tensor.detach(), ep, [Shard(0)], src_data_rank=None))
+        return as_parameter_like(tensor, distribute_tensor(full.detach(), ep, [Shard(0)], src_data_rank=None))
 
     def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
         """The collectives of expert parallelism over ``group`` (``ep``): torch's ``all_to_all_single``,

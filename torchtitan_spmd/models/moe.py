@@ -63,6 +63,18 @@ class TokenDispatcher(Protocol):
         """``combine(experts(dispatch(rows, counts)))``: each row through its expert, wherever it is."""
         ...
 
+    def token_slice(self, num_tokens: int) -> slice | None:
+        """The block's tokens this rank dispatches, when ranks that hold the same tokens (a TP
+        group, the tokens gathered over ``tp``) share the work: each its own slice, the block's
+        output then a pending sum over those ranks (zero outside the slice). None: all of them."""
+        ...
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which :meth:`token_slice` splits the tokens (the block's output and
+        the router gate's gradient are partial sums there); empty when it does not."""
+        ...
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """``t``'s local value (a DTensor's ``to_local()``, as upstream's experts do).
@@ -77,22 +89,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _local_gate(gate: torch.Tensor, expert_weight: torch.Tensor | None) -> torch.Tensor:
+def _local_gate(gate: torch.Tensor, expert_weight: torch.Tensor | None,
+                partial_axes: tuple[str, ...] = ()) -> torch.Tensor:
     """The router gate's local value, its gradient a pending sum (``Partial``) on every mesh dim on
-    which ``expert_weight`` (the experts' ``w2``) is sharded and the gate replicated.
+    which ``expert_weight`` (the experts' ``w2``) is sharded and the gate replicated, and on the
+    gate's replicated mesh dims named in ``partial_axes``.
 
     Tensor parallelism of the experts (``w1``/``w3`` column-wise, ``w2`` row-wise): every TP rank
     routes the same tokens with the same gate, but its experts' output, and so the gradient of
-    the gating weights and of the gate, is its share of a sum over ``tp``. A plain tensor (the
-    ``spmd_types`` backend types the gate ``R@tp``, so its gradient is summed over ``tp``; one
-    process) is returned as it is.
+    the gating weights and of the gate, is its share of a sum over ``tp``. Expert parallelism
+    with tensor parallelism (``partial_axes`` ``("tp",)``): each TP rank dispatches its own slice
+    of the routed tokens, so the other slices' gating weights get no gradient there, and the
+    gate's is again a share of a sum over ``tp``. A plain tensor (the ``spmd_types`` backend types
+    the gate ``R@tp``, so its gradient is summed over ``tp``; one process) is returned as it is.
     """
     if not isinstance(gate, DTensor):
         return gate
-    if not isinstance(expert_weight, DTensor) or expert_weight.device_mesh != gate.device_mesh:
-        return gate.to_local()
-    grads = [Partial() if isinstance(g, Replicate) and isinstance(e, Shard) else g
-             for g, e in zip(gate.placements, expert_weight.placements, strict=True)]
+    names = gate.device_mesh.mesh_dim_names or (None,) * gate.device_mesh.ndim
+    same = isinstance(expert_weight, DTensor) and expert_weight.device_mesh == gate.device_mesh
+    experts = expert_weight.placements if same else (Replicate(),) * len(gate.placements)  # type: ignore[union-attr]
+    grads = [Partial() if isinstance(g, Replicate) and (isinstance(e, Shard) or n in partial_axes) else g
+             for g, e, n in zip(gate.placements, experts, names, strict=True)]
     return gate.to_local(grad_placements=grads)
 
 
@@ -121,12 +138,14 @@ class TokenChoiceTopKRouter(nn.Module):
         self.force_load_balance = False
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None,
-                expert_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                expert_weight: torch.Tensor | None = None,
+                partial_axes: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, top_k] float32, expert ids [T, top_k] int64)`` for tokens ``x`` ``[T, dim]``.
 
         ``expert_weight``: the experts' ``w2`` (its sharding says over which axes the gate's
-        gradient is partial, :func:`_local_gate`)."""
-        logits = F.linear(x.float(), _local_gate(self.gate.weight, expert_weight).float())
+        gradient is partial, :func:`_local_gate`); ``partial_axes``: more such axes (the
+        dispatcher's :attr:`TokenDispatcher.partial_axes`)."""
+        logits = F.linear(x.float(), _local_gate(self.gate.weight, expert_weight, partial_axes).float())
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         if self.force_load_balance:
             t = x.shape[0]
@@ -183,8 +202,20 @@ class GroupedExperts(nn.Module):
 
         ``counts``: tokens per expert (``bincount(ids)``). Dispatch: the ``T * top_k`` (token,
         choice) pairs sorted by expert (stable); combine: each output row weighted and added to
-        its token.
+        its token. A dispatcher's :meth:`TokenDispatcher.token_slice` (EP with TP): only that
+        slice of the tokens, the others' output rows zero.
         """
+        part = self.dispatcher.token_slice(x.shape[0]) if self.dispatcher is not None else None
+        if part is not None:
+            full, x, weights, ids = x, x[part], weights[part], ids[part]
+            flat = ids.reshape(-1)
+            counts = torch.zeros_like(counts).scatter_add_(0, flat, torch.ones_like(flat))
+            return torch.zeros_like(full).index_add_(0, torch.arange(part.start, part.stop, device=x.device),
+                                                      self._routed(x, weights, ids, counts))
+        return self._routed(x, weights, ids, counts)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on all of ``x``."""
         k = ids.shape[1]
         order = torch.argsort(ids.reshape(-1), stable=True)
         token = order // k
@@ -217,7 +248,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         bias = _local(self.expert_bias) if self.expert_bias is not None else None
-        weights, ids = self.router(flat, bias, self.experts.w2)
+        partial = self.experts.dispatcher.partial_axes if self.experts.dispatcher is not None else ()
+        weights, ids = self.router(flat, bias, self.experts.w2, partial)
         flat_ids = ids.reshape(-1)
         counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
             0, flat_ids, torch.ones_like(flat_ids))  # bincount at a static shape (torch.compile's fullgraph)

@@ -297,7 +297,12 @@ class SpmdTypesRepresentation(TensorRepresentation):
         pd = self.parallel_dims
         mesh, _ = self._sparse_storage()
         sparse = [mesh.get_group(n) for n in mesh.mesh_dim_names or () if pd.axis_size(n) > 1]
-        return TypedExpertExchange(group, [self._mesh().get_group(_DP)], sparse, mesh)
+        dense = self._mesh()
+        from .mesh_context import group as axis_group  # (``group`` is the argument here)
+
+        home = [axis_group(dense, a) for a in (*_LOSS_AXES, "tp") if active(dense, a)]  # the axes the tokens are on
+        split = axis_group(dense, "tp") if active(dense, "tp") else None
+        return TypedExpertExchange(group, home, sparse, mesh, split)
 
     def expert_fsdp_spec(self) -> FsdpSpec | None:
         if not self.parallel_dims.ep_enabled:

@@ -50,10 +50,13 @@ class _TypedCombine(torch.autograd.Function):
 class TypedExpertExchange(ExpertExchange):
     """Expert parallelism's exchange, typed for ``--debug.spmd_typechecking``.
 
-    The block's tokens are typed on ``dp``; ``ep`` is a sub-axis of ``dp_shard`` (``dp_shard =
-    efsdp x ep`` here: no TP or CP under EP), and one tensor cannot be typed on both. So from the
-    dispatch to the combine the expert side runs on the orthogonal ``(dp_replicate, efsdp, ep)``
-    (``spmd_types.reinterpret_mesh``: a no-op on the data, checked to span the same ranks):
+    The block's tokens are typed on ``home`` (``dp``, and ``cp`` and ``tp`` when active); ``ep``
+    is a sub-axis of ``dp_shard x cp x tp`` (``= efsdp x ep``), and one tensor cannot be typed on
+    both. So from the dispatch to the combine the expert side runs on the orthogonal
+    ``(dp_replicate, efsdp, ep)`` (``spmd_types.reinterpret_mesh``: a no-op on the data, checked to
+    span the same ranks). Under TP (``split``: the ``tp`` group) the rows and counts, replicated
+    over ``tp`` as the gathered tokens are, are first re-typed ``R -> V`` on it: each TP rank
+    sends only its own slice of them (``AllToAllDispatcher.token_slice``):
 
     - dispatch: ``all_to_all(V -> V)`` of the rows on ``ep`` (the checker's rule of the collective);
     - the experts' output: ``P`` on ``ep`` (``reinterpret``): each rank holds its experts' share
@@ -66,12 +69,15 @@ class TypedExpertExchange(ExpertExchange):
     """
 
     def __init__(self, group: dist.ProcessGroup, home: list[dist.ProcessGroup], sparse: list[dist.ProcessGroup],
-                 sparse_mesh: DeviceMesh) -> None:
+                 sparse_mesh: DeviceMesh, split: dist.ProcessGroup | None = None) -> None:
         super().__init__(group)
-        self.home, self.sparse, self.sparse_mesh = home, sparse, sparse_mesh
+        self.home, self.sparse, self.sparse_mesh, self.split = home, sparse, sparse_mesh, split
 
     def _to(self, x: torch.Tensor, axes: list[dist.ProcessGroup]) -> torch.Tensor:
-        """``x`` re-typed onto ``axes`` (its types carried over: ``V`` stays ``V``, ``R`` stays ``R``)."""
+        """``x`` re-typed onto ``axes`` (its types carried over: ``V`` stays ``V``, ``R`` stays ``R``);
+        under TP (``split``) first ``R -> V`` on ``tp``: each TP rank's slice of the gathered tokens."""
+        if self.split is not None and st.get_local_type(x).get(st.MeshAxis.of(self.split)) is R:
+            x = st.reinterpret(x, self.split, src=R, dst=V, expert_mode=True)
         return st.reinterpret_mesh(x, axes)
 
     def expert_side(self) -> AbstractContextManager[None]:
