@@ -237,6 +237,22 @@ def test_expert_parallel_setup_errors(fake_pg: Callable[[int], None], world: int
         assert needle in str(err.value), str(err.value)
 
 
+def test_type_checked_ep_with_selective_ac_is_a_setup_error(fake_pg: Callable[[int], None]) -> None:
+    """The typed exchange and selective AC's recompute do not mix (measured: a RuntimeError in the
+    backward): a setup error naming the fields, not a failure at step 1."""
+    from torchtitan_spmd.distributed.representation import torch_at_least
+    from torchtitan_spmd.train import Trainer
+
+    if not torch_at_least("2.14"):
+        pytest.skip("spmd_types with FSDP needs torch >= 2.14")
+    cfg = _moe_cfg("spmd_types", data_parallel_shard_degree=4, expert_parallel_degree=2)
+    cfg.debug.spmd_typechecking, cfg.activation_checkpoint.mode = True, "selective"
+    fake_pg(4)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree=2 with debug.spmd_typechecking=True and "
+                                         r"activation_checkpoint.mode='selective'.*'full' or 'none'"):
+        Trainer(cfg)
+
+
 def test_experts_not_divisible_by_ep(fake_pg: Callable[[int], None]) -> None:
     """moe_tiny's 8 experts over ep 3 (3 ranks of dp_shard): the degrees that divide 8 are named."""
     from torchtitan_spmd.train import Trainer

@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torchtitan_spmd.config.backends import backend as backend_record
 from torchtitan_spmd.models.moe import GroupedExperts
 
 from .fsdp import clear_dtensor_sharding_caches
@@ -135,6 +136,13 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
         raise ValueError(f"{ep} needs a mixture-of-experts model, and model.name={job_config.model.name!r} "
                          f"model.flavor={job_config.model.flavor!r} is dense; the MoE flavours: {_moe_flavors()}. "
                          "Or set parallelism.expert_parallel_degree=1.")
+    typechecked = job_config.debug.spmd_typechecking and backend_record(job_config.parallelism.spmd_backend).typechecking
+    if typechecked and job_config.activation_checkpoint.mode == "selective":
+        # Measured: the typed combine's all-to-all is not found again by selective AC's recompute
+        # ("all_to_all_single ... invocation index 1 ... not found in storage"); full AC runs.
+        raise ValueError(f"{ep} with debug.spmd_typechecking=True and activation_checkpoint.mode='selective' "
+                         "does not run (selective AC's recompute does not replay the typed all-to-all); "
+                         "use activation_checkpoint.mode 'full' or 'none', or debug.spmd_typechecking=False.")
     if model_config.num_experts % pd.ep:
         divisors = [d for d in range(1, model_config.num_experts + 1) if model_config.num_experts % d == 0]
         raise ValueError(f"{ep}: the model's num_experts={model_config.num_experts} is not divisible by it "
