@@ -182,14 +182,18 @@ def _copy_step(src: Path, step: int, dst: Path) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("backend", ["default", "spmd_types"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_checkpoints_reshard_across_ep_degrees(backend: str, tmp_path: Path) -> None:
-    """EP 4 (saves at 2, 4, 6) -> EP 2 from its step 2 (saves at 4) -> no EP from that step 4."""
+    """FSDP 4 x EP 4 (saves at 2, 4, 6) -> FSDP 2 x TP 2 x EP 2 from its step 2 (saves at 4) -> FSDP 4,
+    no EP, from that step 4: the issue's chain, at the same global batch, on the same curve."""
     _skip_old_torch(backend)
-    a, b, c = tmp_path / "ep4", tmp_path / "ep2", tmp_path / "noep"
+    a, b, c = tmp_path / "ep4", tmp_path / "ep2_tp2", tmp_path / "noep"
     (full,) = run_many([checkpointed(ep_config(backend, 4), a)])
     _copy_step(a, 2, b)
-    (ep2,) = run_many([checkpointed(ep_config(backend, 2), b)])
+    ep2_tp2 = ep_config(backend, 2)
+    ep2_tp2.parallelism.data_parallel_shard_degree, ep2_tp2.parallelism.tensor_parallel_degree = 2, 2
+    ep2_tp2.training.local_batch_size *= 2  # half the data ranks: the same global batch
+    (ep2,) = run_many([checkpointed(ep2_tp2, b)])
     _copy_step(b, 4, c)
     (noep,) = run_many([checkpointed(ep_config(backend, 1), c)])
     curve = full[0]["steps"]
