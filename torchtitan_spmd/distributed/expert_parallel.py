@@ -286,7 +286,6 @@ def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation
     pd = representation.parallel_dims
     if not pd.ep_enabled:
         return
-    clear_dtensor_sharding_caches()  # the experts' DTensors must be on this trainer's meshes
     group = pd.get_mesh("ep").get_group()  # its timeout (comm.set_pg_timeouts) governs every exchange
     tp = (pd.get_mesh("tp").get_local_rank(), pd.tp) if pd.tp_enabled else None
     for fqn, experts in expert_modules(model):

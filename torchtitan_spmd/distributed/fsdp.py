@@ -67,11 +67,8 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
                                      cast_forward_inputs=False)
     kwargs: dict[str, Any] = {"mesh": spec.mesh, "mp_policy": mp_policy,
                               "reshard_after_forward": reshard_after_forward}
-    # An earlier, equal mesh must not leak in: with dp_mesh_dims fully_shard fails on it; without,
-    # gradients can come back on the earlier mesh (an earlier trainer's in this process, e.g. on a
-    # fake process group before a fork), whose groups are gone.
-    clear_dtensor_sharding_caches()
     if spec.dp_mesh_dims is not None:
+        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
         kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
     units = [*plan.fsdp_unit_modules(model), *(roots if roots is not None else [model])]
     for unit in units:
