@@ -64,7 +64,7 @@ def _steps(trainer: object, first: int, n: int) -> list[float]:
 
 def _timed_hashing(algorithm: str) -> dict[str, float]:
     """Use ``algorithm`` for new checksums and accumulate the time spent hashing (``"s"``, ``"bytes"``)."""
-    import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+    import torchtitan_spmd.checkpoint.integrity as integrity
 
     if algorithm == "none":  # the baseline: no checksums written, none verified
         integrity.RecordingWriter._record = lambda self, relative: None  # type: ignore[method-assign]
@@ -89,7 +89,7 @@ def _timed_hashing(algorithm: str) -> dict[str, float]:
 def _worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    from torchtitan_spmd.distributed.checkpoint_integrity import StopRequest
+    from torchtitan_spmd.checkpoint.integrity import StopRequest
     from torchtitan_spmd.train import Trainer
 
     spent = _timed_hashing(args.hash)
@@ -150,7 +150,7 @@ def _ab_worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> 
     (crc32, none, blake2b, blake2b, none, crc32, ...): each save's visible time, by mode."""
     import torch.distributed as dist
 
-    import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+    import torchtitan_spmd.checkpoint.integrity as integrity
     from torchtitan_spmd.train import Trainer
 
     record, verify = integrity.RecordingWriter._record, integrity.verify_checkpoint
@@ -177,7 +177,7 @@ def _ab_worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> 
 def hash_cost(size_mib: int = 256, rounds: int = 3) -> dict[str, float]:
     """Seconds per GiB of each hash over one ``size_mib`` file (in the page cache), interleaved;
     the best of ``rounds``."""
-    from torchtitan_spmd.distributed.checkpoint_integrity import file_digest
+    from torchtitan_spmd.checkpoint.integrity import file_digest
 
     best: dict[str, float] = {}
     with tempfile.NamedTemporaryFile(prefix="hashbench-") as f:

@@ -4,7 +4,7 @@
 
 Each run: ``moe_tiny`` (2 blocks, 8 experts, top-2) on one process, fp32, no AC, seed 0, the
 synthetic data, 50 steps, upstream's bias rule (after each step ``expert_bias += coeff *
-sign(mean - count)``, centred; the library's :func:`~torchtitan_spmd.distributed.moe.update_expert_bias`)
+sign(mean - count)``, centred; the library's :func:`~torchtitan_spmd.techniques.moe.update_expert_bias`)
 with ``load_balance_coeff`` 1e-3 (upstream's) against ``None`` (no bias) at the same config:
 
 - ``lr``: the job's learning rate for every parameter (``qwen3_moe_tiny``: 3e-3; upstream's
@@ -55,7 +55,7 @@ def _gate_groups_optimizer(gate_lr: float) -> Any:
 
 def _worker(rank: int, world: int, steps: int, lr: float, gate_lr: float | None, batch: int,
             coeff: float | None) -> list[list[list[int]]]:
-    from torchtitan_spmd.distributed import moe as moe_mod
+    from torchtitan_spmd.techniques import moe as moe_mod
 
     qwen3.FLAVORS["moe_tiny"] = dataclasses.replace(qwen3.FLAVORS["moe_tiny"], load_balance_coeff=coeff)
     if gate_lr is not None:

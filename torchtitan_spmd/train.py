@@ -32,6 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.checkpoint import hf as hf_checkpoint
+from torchtitan_spmd.checkpoint.integrity import (
+    StoppedBySignal,
+    StopRequest,
+    signal_name,
+)
+from torchtitan_spmd.checkpoint.manager import CheckpointManager, find_checkpoints
 from torchtitan_spmd.config import (
     TORCH_DTYPE_MAP,
     ConfigManager,
@@ -41,48 +48,10 @@ from torchtitan_spmd.config import (
 )
 from torchtitan_spmd.config.manager import LIBRARY_FIRST
 from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_size
-from torchtitan_spmd.distributed import comm, hf_checkpoint
-from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
+from torchtitan_spmd.distributed import comm
 from torchtitan_spmd.distributed.apply_plan import apply_plan
-from torchtitan_spmd.distributed.checkpoint import CheckpointManager, find_checkpoints
-from torchtitan_spmd.distributed.checkpoint_integrity import (
-    StoppedBySignal,
-    StopRequest,
-    signal_name,
-)
-from torchtitan_spmd.distributed.compile import apply_compile, maybe_compile_loss, validate_compile
-from torchtitan_spmd.distributed.context_parallel import ContextParallel, apply_context_parallel
-from torchtitan_spmd.distributed.expert_parallel import (
-    apply_expert_fsdp,
-    apply_expert_parallel,
-    expert_parallel_plan,
-    validate_expert_parallel,
-)
-from torchtitan_spmd.distributed.fsdp import (
-    apply_fsdp,
-    clear_dtensor_sharding_caches,
-    set_gradient_sync,
-)
-from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
-from torchtitan_spmd.distributed.loss import (
-    cross_entropy_loss,
-    global_loss_value,
-    global_token_count,
-)
-from torchtitan_spmd.distributed.moe import (
-    ExpertLoad,
-    moe_blocks,
-    set_force_load_balance,
-    update_expert_bias,
-)
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
-from torchtitan_spmd.distributed.param_init import init_weights
-from torchtitan_spmd.distributed.pipeline_parallel import (
-    PipelineParallel,
-    StageBoundaries,
-    states_of,
-)
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
     get_train_context,
@@ -90,6 +59,38 @@ from torchtitan_spmd.distributed.utils import (
     spmd_backend_scope,
 )
 from torchtitan_spmd.models import get_model_spec
+from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
+from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
+from torchtitan_spmd.techniques.context_parallel import ContextParallel, apply_context_parallel
+from torchtitan_spmd.techniques.expert_parallel import (
+    apply_expert_fsdp,
+    apply_expert_parallel,
+    expert_parallel_plan,
+    validate_expert_parallel,
+)
+from torchtitan_spmd.techniques.fsdp import (
+    apply_fsdp,
+    clear_dtensor_sharding_caches,
+    set_gradient_sync,
+)
+from torchtitan_spmd.techniques.grad_norm import clip_grad_norm_
+from torchtitan_spmd.techniques.loss import (
+    cross_entropy_loss,
+    global_loss_value,
+    global_token_count,
+)
+from torchtitan_spmd.techniques.moe import (
+    ExpertLoad,
+    moe_blocks,
+    set_force_load_balance,
+    update_expert_bias,
+)
+from torchtitan_spmd.techniques.param_init import init_weights
+from torchtitan_spmd.techniques.pipeline_parallel import (
+    PipelineParallel,
+    StageBoundaries,
+    states_of,
+)
 from torchtitan_spmd.tools.metrics import build_metrics_logger
 from torchtitan_spmd.tools.utils import GarbageCollection
 

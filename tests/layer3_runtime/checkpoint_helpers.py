@@ -71,7 +71,7 @@ def _arm_kill(rank: int, kill: tuple[int, str, int] | None) -> None:
 
         FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     elif where == "publish":
-        import torchtitan_spmd.distributed.checkpoint as ck
+        import torchtitan_spmd.checkpoint.manager as ck
 
         publish = ck._publish
 

@@ -39,7 +39,7 @@ def _expert_shards(trainer: Any) -> list[tuple[str, list[int], list[int], list[s
     """Per expert weight of this rank: (fqn, local shape, global shape, mesh dims it is sharded over)."""
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_spmd.distributed.expert_parallel import expert_modules
+    from torchtitan_spmd.techniques.expert_parallel import expert_modules
 
     out = []
     for fqn, experts in expert_modules(trainer.model):

@@ -21,8 +21,8 @@ from typing import Any
 
 from parity_helpers import warm_parent
 
+from torchtitan_spmd.checkpoint.manager import find_checkpoints
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed.checkpoint import find_checkpoints
 from torchtitan_spmd.launcher import run_forked
 
 FAMILIES = ("llama3", "qwen3")
@@ -110,7 +110,7 @@ class _Recording:
 def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, Any]]:
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
+    from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches
     from torchtitan_spmd.train import Trainer
 
     out = []

@@ -50,7 +50,7 @@ def arm(rank: int, faults: list[tuple[Any, ...]]) -> None:
     """Install this rank's ``faults`` (see the module docstring) in this forked process."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+    import torchtitan_spmd.checkpoint.integrity as integrity
     from torchtitan_spmd.train import Trainer
 
     for fault in faults:
@@ -159,7 +159,7 @@ def _jobs(rank: int, world: int, cases: list[tuple[str, JobConfig, list[tuple[An
     for name, config, faults, then in cases:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-        import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+        import torchtitan_spmd.checkpoint.integrity as integrity
         from torchtitan_spmd.train import Trainer
 
         saved = (FileSystemWriter.write_data, Trainer.step, os.fsync, integrity.file_digest)
@@ -187,7 +187,7 @@ def _starts(rank: int, world: int, cases: list[tuple[str, str, JobConfig, list[t
             ) -> dict[str, Any]:
     out = {}
     for name, mode, config, faults in cases:
-        import torchtitan_spmd.distributed.checkpoint_integrity as integrity
+        import torchtitan_spmd.checkpoint.integrity as integrity
 
         saved = integrity.file_digest
         arm(rank, faults)

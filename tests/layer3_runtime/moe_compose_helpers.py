@@ -78,7 +78,7 @@ def compile_cases() -> list[Case]:
 def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[list[tuple[Any, ...]]]:
     from torch._dynamo.utils import counters
 
-    from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
+    from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches
     from torchtitan_spmd.train import Trainer
 
     out = []

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, A
     import torch
     from torch._dynamo.utils import counters
 
-    from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
+    from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches
     from torchtitan_spmd.train import Trainer
 
     out = []

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_spmd.config import ActivationCheckpointConfig
-from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
+from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
 
 
 class _CountMM(TorchDispatchMode):

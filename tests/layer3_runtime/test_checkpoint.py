@@ -29,7 +29,7 @@ from checkpoint_helpers import (
 )
 from parity_helpers import skip_full_dtensor_on_old_torch
 
-from torchtitan_spmd.distributed.checkpoint import COMPLETE_MARKER, find_checkpoints, purge_stale
+from torchtitan_spmd.checkpoint.manager import COMPLETE_MARKER, find_checkpoints, purge_stale
 from torchtitan_spmd.launcher import WorkerError
 
 pytestmark = pytest.mark.multiproc

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from integrity_helpers import cfg, run_jobs, run_starts
 
-from torchtitan_spmd.distributed.checkpoint import COMPLETE_MARKER, find_checkpoints
-from torchtitan_spmd.distributed.checkpoint_integrity import file_digest
+from torchtitan_spmd.checkpoint.integrity import file_digest
+from torchtitan_spmd.checkpoint.manager import COMPLETE_MARKER, find_checkpoints
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.backend("default")]
 
@@ -88,7 +88,7 @@ def test_file_digest_is_zlib_crc32_or_hashlib_blake2b(tmp_path: Path) -> None:
 
 
 def test_verification_reads_the_hash_the_record_names_and_only_this_ranks_share(tmp_path: Path) -> None:
-    from torchtitan_spmd.distributed.checkpoint_integrity import local_problems
+    from torchtitan_spmd.checkpoint.integrity import local_problems
 
     files = {}
     for name, rank in ((".metadata", 0), ("__0_0.distcp", 0), ("__1_0.distcp", 1), ("__2_0.distcp", 2)):

@@ -32,8 +32,8 @@ from parity_helpers import run_config
 from version_helpers import torch_at_least
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed.context_parallel import ContextParallel, seq_len_divisor
 from torchtitan_spmd.launcher import run_forked
+from torchtitan_spmd.techniques.context_parallel import ContextParallel, seq_len_divisor
 
 
 # --------------------------------------------------------------------------- the algorithm
@@ -60,7 +60,7 @@ def _ring_vs_full(rank: int, world: int, cases: list[tuple[str, str | None, int]
     process's causal SDPA on the full sequence (float64 inputs)."""
     import torch.distributed as dist
 
-    from torchtitan_spmd.distributed.context_parallel import _torch_cp
+    from torchtitan_spmd.techniques.context_parallel import _torch_cp
 
     sent: list[int] = []  # what torch's rotaters exchange (keys and values, or their gradients)
     for cls in (_torch_cp._AllGatherRotater, _torch_cp._AllToAllRotater):
@@ -108,7 +108,7 @@ def test_ring_attention_is_causal_attention(degree: int) -> None:
 
 
 def test_ring_attention_names_bad_arguments() -> None:
-    from torchtitan_spmd.distributed.context_parallel import ring_attention
+    from torchtitan_spmd.techniques.context_parallel import ring_attention
 
     q = torch.zeros(1, 4, 8, 8)
     with pytest.raises(ValueError, match=r"rotate_method='ring'; valid values are 'allgather', 'alltoall'"):
@@ -247,9 +247,9 @@ def test_full_dtensor_cp_parity_with_reference(config_name: str, rotate: str, mo
 def test_fsdp_shards_parameters_over_dp_shard_x_cp(fake_pg: Callable[[int], None], dp_shard: int, cp: int) -> None:
     """Parameters are sharded over every rank that holds different tokens (torchtitan's ``fsdp`` axis);
     parity cannot see this (FSDP would still sum the gradients over a replicated ``cp``)."""
-    from torchtitan_spmd.distributed.context_parallel import context_parallel_backends
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
     from torchtitan_spmd.distributed.representation import get_representation
+    from torchtitan_spmd.techniques.context_parallel import context_parallel_backends
 
     fake_pg(dp_shard * cp)
     # FSDP over CP needs fully_shard(dp_mesh_dims=...) (torch >= 2.13) and, over

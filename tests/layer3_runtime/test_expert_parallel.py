@@ -44,8 +44,8 @@ def _skip_old_torch(backend: str) -> None:
 def _exchange_matches_local(rank: int, world: int, ep: int) -> list[float]:
     import torch.distributed as dist
 
-    from torchtitan_spmd.distributed.expert_parallel import AllToAllDispatcher, ExpertExchange
     from torchtitan_spmd.models.moe import GroupedExperts
+    from torchtitan_spmd.techniques.expert_parallel import AllToAllDispatcher, ExpertExchange
 
     groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, world, ep)]
     group = groups[rank // ep]
@@ -142,7 +142,7 @@ def test_ep_type_checked_parity_with_the_reference() -> None:
 
 def _train_without_the_combine(rank: int, world: int, cfg: JobConfig) -> list[float]:
     """The combine's all-to-all left out (planted): the experts' rows stay where they were computed."""
-    from torchtitan_spmd.distributed.expert_parallel import AllToAllDispatcher
+    from torchtitan_spmd.techniques.expert_parallel import AllToAllDispatcher
     from torchtitan_spmd.train import Trainer
 
     def combine(self: AllToAllDispatcher, out: torch.Tensor, state: Any) -> torch.Tensor:

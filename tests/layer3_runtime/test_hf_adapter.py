@@ -16,8 +16,8 @@ import torch
 from hf_helpers import hf_model
 from version_helpers import requires_torch
 
+from torchtitan_spmd.checkpoint import hf as hf_checkpoint
 from torchtitan_spmd.config import JobConfig, check_supported
-from torchtitan_spmd.distributed import hf_checkpoint
 from torchtitan_spmd.models import get_model_spec
 from torchtitan_spmd.models.common import count_parameters
 from torchtitan_spmd.models.state_dict_adapter import HFConfigError
@@ -189,7 +189,7 @@ def test_row_runs_read_exactly_this_ranks_rows(start: int, n_rows: int) -> None:
     """A rank holding our rows [start, start + n_rows) of llama3's wq (4 heads of 16) reads them
     from the transformers tensor through the runs it describes, shard boundaries inside a head
     and inside a RoPE pair included (what DCP's reader does with a CheckpointableTensor)."""
-    from torchtitan_spmd.distributed.hf_checkpoint import _RowRuns
+    from torchtitan_spmd.checkpoint.hf import _RowRuns
     from torchtitan_spmd.models.llama3.state_dict_adapter import interleaved_to_half_rows
 
     ours = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))

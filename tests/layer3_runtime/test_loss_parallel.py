@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, vocab: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from torchtitan_spmd.distributed.loss import vocab_parallel_cross_entropy
+    from torchtitan_spmd.techniques.loss import vocab_parallel_cross_entropy
 
     logits, labels = _data(vocab)
     tp = dist.group.WORLD

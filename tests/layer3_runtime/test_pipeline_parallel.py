@@ -17,7 +17,7 @@ from checkpoint_helpers import ck_config
 from parity_helpers import NORM_TOL, TOL, job_config, max_rel, reference, run_config
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+from torchtitan_spmd.techniques.pipeline_parallel import generate_llm_fqn_per_model_part
 
 STEPS = 4
 
@@ -198,8 +198,8 @@ def test_pp_not_dividing_the_world_is_a_setup_error(fake_pg: Callable[[int], Non
 def test_a_stage_view_shares_the_parts_tensors_and_has_its_own_hooks() -> None:
     import torch
 
-    from torchtitan_spmd.distributed.pipeline_parallel import split_module, stage_view
     from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.techniques.pipeline_parallel import split_module, stage_view
 
     spec = get_model_spec("llama3")
     config = dataclasses.replace(spec.flavors["tiny"], max_seq_len=8)  # as the trainer: max_seq_len = seq_len

@@ -66,7 +66,7 @@ def test_bad_training_feature_values_fail_at_setup(fake_pg: Callable[[int], None
 
 def test_an_activation_checkpointing_mode_that_does_not_exist_is_rejected() -> None:
     from torchtitan_spmd.config import ActivationCheckpointConfig
-    from torchtitan_spmd.distributed.activation_checkpoint import apply_ac
+    from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
 
     with pytest.raises(ValueError, match=r"activation_checkpoint\.mode.*'everything'"):
         JobConfig.from_dict({"activation_checkpoint": {"mode": "everything"}})

@@ -102,9 +102,9 @@ def test_tp_without_loss_parallel_matches_the_reference(backend: str) -> None:
 def _grads_after_clip(rank: int, world: int) -> dict[str, tuple[bool, bool, bool]]:
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_spmd.distributed.grad_norm import clip_grad_norm_
     from torchtitan_spmd.distributed.inputs import prepare_inputs
-    from torchtitan_spmd.distributed.loss import cross_entropy_loss
+    from torchtitan_spmd.techniques.grad_norm import clip_grad_norm_
+    from torchtitan_spmd.techniques.loss import cross_entropy_loss
     from torchtitan_spmd.train import Trainer
 
     cfg = job_config("default", {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2})

@@ -30,6 +30,6 @@ def fake_world() -> Iterator[Callable[..., None]]:
         if dist.is_initialized():
             dist.destroy_process_group()
         if "torch.distributed.tensor" in sys.modules:
-            from torchtitan_spmd.distributed.fsdp import clear_dtensor_sharding_caches
+            from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches
 
             clear_dtensor_sharding_caches()

@@ -54,8 +54,8 @@ def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, 
     checked token count outside the schedule does not count there)."""
     from unittest import mock
 
-    from torchtitan_spmd.distributed.pipeline_parallel import StageBoundaries
     from torchtitan_spmd.distributed.representations.spmd_types.typecheck import DECISION_CACHE
+    from torchtitan_spmd.techniques.pipeline_parallel import StageBoundaries
 
     def ops() -> int:
         return DECISION_CACHE.misses + DECISION_CACHE.unkeyed + DECISION_CACHE.hits

@@ -19,10 +19,8 @@ from torch import nn
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.distributed.apply_plan import apply_plan
-from torchtitan_spmd.distributed.fsdp import apply_fsdp, clear_dtensor_sharding_caches
 from torchtitan_spmd.distributed.inputs import prepare_inputs
 from torchtitan_spmd.distributed.layout import SpmdLayout
-from torchtitan_spmd.distributed.loss import cross_entropy_loss
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 from torchtitan_spmd.distributed.representation import StateLayout, get_representation
@@ -34,6 +32,8 @@ from torchtitan_spmd.distributed.representations.spmd_types import (
 )
 from torchtitan_spmd.models.llama3 import FLAVORS, Transformer, build_model, llama3_plan
 from torchtitan_spmd.models.qwen3 import qwen3_plan
+from torchtitan_spmd.techniques.fsdp import apply_fsdp, clear_dtensor_sharding_caches
+from torchtitan_spmd.techniques.loss import cross_entropy_loss
 
 pytestmark = pytest.mark.backend("spmd_types")
 
@@ -275,7 +275,7 @@ def _child_world(world: int) -> None:
 
 
 def _annotations_survive() -> None:
-    from torchtitan_spmd.distributed.param_init import init_weights
+    from torchtitan_spmd.techniques.param_init import init_weights
 
     _child_world(2)
     pd = _dims(2, tp=2)

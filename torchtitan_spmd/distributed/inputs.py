@@ -4,7 +4,7 @@ Tokens and labels are ``[batch, seq]``; the data loader already gives each
 data-parallel rank its own rows. On the model axes tokens are replicated (every
 TP rank embeds the same tokens) and labels invariant (every TP rank computes the
 same loss); both are sequence-sharded on ``cp`` (each context-parallel rank holds
-its slice, :meth:`~torchtitan_spmd.distributed.context_parallel.ContextParallel.shard_batch`),
+its slice, :meth:`~torchtitan_spmd.techniques.context_parallel.ContextParallel.shard_batch`),
 and so are the RoPE positions of those tokens.
 """
 

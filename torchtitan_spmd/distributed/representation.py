@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
     from torchtitan_spmd.config import JobConfig
 
-    from .expert_parallel import ExpertExchange
+    from ..techniques.expert_parallel import ExpertExchange
     from .parallel_dims import ParallelDims
     from .plan import ShardingPlan
 
@@ -302,7 +302,7 @@ class TensorRepresentation(ABC):
     def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
         """The collectives of expert parallelism over ``group`` (``ep``): torch's ``all_to_all_single``,
         the rows' with autograd (``spmd_types`` types them)."""
-        from .expert_parallel import ExpertExchange
+        from ..techniques.expert_parallel import ExpertExchange
 
         return ExpertExchange(group)
 

@@ -106,7 +106,7 @@ def maybe_enable_amp(parallel_dims: ParallelDims, mixed_precision_param: str,
     """The context the model's forward runs in for ``training.mixed_precision_param``.
 
     With data parallelism FSDP2's ``MixedPrecisionPolicy`` gathers the parameters in
-    that dtype (:mod:`torchtitan_spmd.distributed.fsdp`), so nothing is needed here.
+    that dtype (:mod:`torchtitan_spmd.techniques.fsdp`), so nothing is needed here.
     Without it (one rank, or tensor parallelism only) the forward runs under
     ``torch.autocast(device_type, dtype)``: matmuls compute in that dtype, parameters,
     gradients and optimizer state stay float32. ``"float32"``: no context.

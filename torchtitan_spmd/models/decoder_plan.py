@@ -12,7 +12,7 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
 - attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``);
 - context parallelism: every activation is sequence-sharded on ``cp`` (``S(1)@cp``;
   heads-first ``S(2)@cp``), the SDPA kernel's queries, keys and values included: the
-  kernel is the plan's ``attention``, whose body :mod:`torchtitan_spmd.distributed.context_parallel`
+  kernel is the plan's ``attention``, whose body :mod:`torchtitan_spmd.techniques.context_parallel`
   replaces with ring attention, which exchanges the keys and values over ``cp`` itself
   (chunk by chunk; no gathered ``R@cp`` tensor crosses a boundary). With sequence
   parallelism the residual stream is sharded on the sequence by ``cp``, then by ``tp``.

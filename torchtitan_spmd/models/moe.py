@@ -22,7 +22,7 @@ where the dense ``feed_forward`` would be::
   otherwise (``torch._grouped_mm`` has no CPU backward in torch 2.14).
 - Load balancing (https://arxiv.org/abs/2408.15664, as upstream): each forward adds the
   tokens each expert got to ``tokens_per_expert``; after the optimizer step the trainer
-  (:func:`torchtitan_spmd.distributed.moe.update_expert_bias`) sums them over the
+  (:func:`torchtitan_spmd.techniques.moe.update_expert_bias`) sums them over the
   data-parallel ranks and moves ``expert_bias`` by ``load_balance_coeff * sign(mean - count)``
   (centred). The bias only picks experts; no gradient flows through it.
 
@@ -47,7 +47,7 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 
 class TokenDispatcher(Protocol):
     """Expert parallelism's exchange of routed rows (implemented in
-    :mod:`torchtitan_spmd.distributed.expert_parallel`)."""
+    :mod:`torchtitan_spmd.techniques.expert_parallel`)."""
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``rows`` sorted by global expert (``counts`` ``[num_experts]``) -> the rows of this rank's
@@ -169,7 +169,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         #: Expert parallelism's token exchange (None: every expert is on this rank). Set by
-        #: :func:`torchtitan_spmd.distributed.expert_parallel.apply_expert_parallel`.
+        #: :func:`torchtitan_spmd.techniques.expert_parallel.apply_expert_parallel`.
         self.dispatcher: TokenDispatcher | None = None
 
     def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:

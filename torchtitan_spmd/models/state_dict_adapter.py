@@ -7,7 +7,7 @@ with ``to_hf`` / ``from_hf`` over full tensors and ``fqn_to_index_mapping`` (fro
 assets folder's ``model.safetensors.index.json``, when there is one).
 
 Beyond upstream, an adapter also describes its conversion *per tensor*, so the sharded
-loader and exporter (``torchtitan_spmd/distributed/hf_checkpoint.py``) can apply it to each
+loader and exporter (``torchtitan_spmd/checkpoint/hf.py``) can apply it to each
 rank's shard without any rank holding a full tensor:
 
 - :meth:`StateDictAdapter.hf_key`: our name -> the transformers name (None: not exported);

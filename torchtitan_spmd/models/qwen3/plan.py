@@ -46,7 +46,7 @@ def moe_plan(plan: ShardingPlan) -> ShardingPlan:
     output, once for all experts. Every replicated tensor feeding that partial output (the
     gathered tokens, the gate) gets a partial gradient over ``tp``. The tokens-per-expert counts
     are the same on every TP rank and summed over the data ranks only
-    (:func:`~torchtitan_spmd.distributed.moe.update_expert_bias`): counted once.
+    (:func:`~torchtitan_spmd.techniques.moe.update_expert_bias`): counted once.
     """
     dense = plan.modules["layers.*.feed_forward"]
     rowwise_out = plan.modules["layers.*.feed_forward.w2"].output

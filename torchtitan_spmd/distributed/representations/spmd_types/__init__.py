@@ -49,8 +49,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ....techniques.expert_parallel import ExpertExchange
 from ...apply_plan import resolve_state
-from ...expert_parallel import ExpertExchange
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,

@@ -1,7 +1,7 @@
 """Expert parallelism's token exchange under ``spmd_types``, typed for the checker.
 
 See :class:`TypedExpertExchange`; the untyped exchange is
-:class:`~torchtitan_spmd.distributed.expert_parallel.ExpertExchange`.
+:class:`~torchtitan_spmd.techniques.expert_parallel.ExpertExchange`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from spmd_types import P, R, V
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...expert_parallel import ExpertExchange
+from ....techniques.expert_parallel import ExpertExchange
 
 __all__ = ["TypedExpertExchange"]
 

@@ -78,11 +78,11 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_spmd.config.support import check_supported
 
-from . import checkpoint_integrity as integrity
-from . import hf_checkpoint
-from .apply_plan import plain_fqn
-from .checkpoint_integrity import CheckpointLoadError, CheckpointSaveError
-from .representation import StateLayout, TensorRepresentation
+from ..distributed.apply_plan import plain_fqn
+from ..distributed.representation import StateLayout, TensorRepresentation
+from . import hf as hf_checkpoint
+from . import integrity
+from .integrity import CheckpointLoadError, CheckpointSaveError
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CheckpointConfig

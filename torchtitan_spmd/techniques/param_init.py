@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .apply_plan import resolve_state
-from .representation import StateLayout, TensorRepresentation
+from ..distributed.apply_plan import resolve_state
+from ..distributed.representation import StateLayout, TensorRepresentation
 
 __all__ = ["InitializableModel", "init_weights"]
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .representation import TensorRepresentation
+from ..distributed.representation import TensorRepresentation
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import SpmdLayout
-from .representation import TensorRepresentation
+from ..distributed.layout import SpmdLayout
+from ..distributed.representation import TensorRepresentation
 
 __all__ = [
     "IGNORE_INDEX",

@@ -69,15 +69,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchtitan_spmd.config.backends import backend as backend_record
 from torchtitan_spmd.models.moe import GroupedExperts
 
+from ..distributed.layout import S, SpmdLayout
+from ..distributed.representation import StateLayout, TensorRepresentation
 from .fsdp import clear_dtensor_sharding_caches
-from .layout import S, SpmdLayout
-from .representation import StateLayout, TensorRepresentation
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
 
-    from .parallel_dims import ParallelDims
-    from .plan import ShardingPlan
+    from ..distributed.parallel_dims import ParallelDims
+    from ..distributed.plan import ShardingPlan
 
 __all__ = [
     "EXPERT_LAYOUT",
@@ -301,7 +301,7 @@ def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,
                       reshard_after_forward: bool | None = None) -> list[nn.Module]:
     """``fully_shard`` every expert module over the representation's expert FSDP mesh
     (``efsdp``, with ``dp_replicate`` for HSDP) with the dense units' mixed-precision policy,
-    before :func:`~torchtitan_spmd.distributed.fsdp.apply_fsdp` shards the blocks over ``fsdp``
+    before :func:`~torchtitan_spmd.techniques.fsdp.apply_fsdp` shards the blocks over ``fsdp``
     (which then leaves the expert weights to these units); returns the units. No-op without
     expert parallelism."""
     spec = representation.expert_fsdp_spec()

@@ -56,9 +56,9 @@ from torch import nn
 
 from torchtitan_spmd.config.backends import backend_names
 
-from .parallel_dims import seq_len_divisor as _seq_len_divisor
-from .plan import ShardingPlan, fqn_matches
-from .representation import get_representation
+from ..distributed.parallel_dims import seq_len_divisor as _seq_len_divisor
+from ..distributed.plan import ShardingPlan, fqn_matches
+from ..distributed.representation import get_representation
 
 try:  # torch >= 2.9
     from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
@@ -68,7 +68,7 @@ except ImportError:  # pragma: no cover - older torch kept it one level up
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig, ParallelismConfig
 
-    from .parallel_dims import ParallelDims
+    from ..distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "LOAD_BALANCERS",

@@ -24,7 +24,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CompileConfig, JobConfig
 
-    from .representation import TensorRepresentation
+    from ..distributed.representation import TensorRepresentation
 
 __all__ = ["COMPILE_COMPONENTS", "apply_compile", "maybe_compile_loss", "validate_compile"]
 

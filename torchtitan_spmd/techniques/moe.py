@@ -21,7 +21,7 @@ from torch import nn
 
 from torchtitan_spmd.models.moe import MoE
 
-from .representation import TensorRepresentation
+from ..distributed.representation import TensorRepresentation
 
 __all__ = ["ExpertLoad", "moe_blocks", "set_force_load_balance", "update_expert_bias"]
 

@@ -51,12 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .apply_plan import plain_fqn
-from .plan import ShardingPlan, boundary_dst, fqn_matches
+from ..distributed.apply_plan import plain_fqn
+from ..distributed.plan import ShardingPlan, boundary_dst, fqn_matches
 
 if TYPE_CHECKING:
-    from .layout import SpmdLayout
-    from .representation import TensorRepresentation
+    from ..distributed.layout import SpmdLayout
+    from ..distributed.representation import TensorRepresentation
 
 __all__ = [
     "BUILT_SCHEDULES",
@@ -370,7 +370,7 @@ class StageBoundaries:
                   checked: Callable[[], AbstractContextManager[None]] | None = None) -> StageBoundaries:
         """The boundaries ``plan`` declares; ``ValueError`` (at setup) where it declares none, or
         one that is not what its input module (``tok_embeddings``) produces."""
-        from .inputs import LABELS, POSITIONS, TOKENS
+        from ..distributed.inputs import LABELS, POSITIONS, TOKENS
 
         layout = plan.stage_boundary
         if layout is None:

@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .plan import ShardingPlan
-from .representation import TensorRepresentation
+from ..distributed.plan import ShardingPlan
+from ..distributed.representation import TensorRepresentation
 
 __all__ = ["apply_fsdp", "clear_dtensor_sharding_caches", "set_gradient_sync"]
 

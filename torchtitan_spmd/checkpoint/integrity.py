@@ -1,6 +1,6 @@
 """Checkpoints that cannot load wrong: per-file checksums, one-line errors, save faults and stop signals.
 
-Used by :mod:`torchtitan_spmd.distributed.checkpoint`; nothing here knows the trainer's state.
+Used by :mod:`torchtitan_spmd.checkpoint.manager`; nothing here knows the trainer's state.
 
 - **Checksums.** :class:`RecordingWriter` is DCP's ``FileSystemWriter`` that, on the rank
   that wrote them, reads back each file it wrote (after DCP's ``fsync``) and records its size

@@ -1,0 +1,1 @@
+"""Checkpointing: the DCP manager, its integrity checks and Hugging Face weights."""

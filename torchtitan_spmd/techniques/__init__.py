@@ -1,0 +1,1 @@
+"""The training techniques, above the models: one module each."""
