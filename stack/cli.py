@@ -36,6 +36,7 @@ from .gitfiles import (
     tree_files,
 )
 from .imports import scan_imports, working_tree_reader
+from .levels import scan_levels
 from .ownership import Ownership, check_ownership
 from .runner import PrefixResult, run_prefix
 from .tree import Tree
@@ -199,6 +200,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     _print_list("error", scan.errors)
     _print_list("warning", scan.warnings)
     failed |= bool(scan.errors)
+    levels = scan_levels(project.tree, list(own.owner), working_tree_reader(project.root), config.levels,
+                         config.scan_exclude)
+    say(f"[2/3] levels: {levels.scanned} modules, {len(config.levels)} package levels: "
+        f"{levels.upward} upward import(s), {levels.circles} import circle(s)")
+    _print_list("error", levels.errors)
+    failed |= bool(levels.errors)
 
     results: dict[int, PrefixResult] = {}
     statuses: dict[int, str] = {}

@@ -8,6 +8,9 @@ Schema (every error is collected and reported with its line)::
                                  # (default: DEFAULT_REQUIRED + the package dirs)
     scan_exclude = ["x/", ...]   # .py files the import scan skips, besides any file in a
                                  # directory named "fixtures" (data, never imported)
+    levels = [["a/", "b.py"], ["c/"], ...]   # the package's levels, bottom first: a module
+                                 # imports only modules of its own level or below
+                                 # (stack/levels.py; every import circle is an error too)
 
     [[layer]]                    # oldest (bottom of the stack) first
     slug = "short-name"          # [a-z0-9][a-z0-9._-]*, unique; names the patch file
@@ -29,7 +32,7 @@ from pathlib import Path
 
 LAYER_REQUIRED = ("slug", "title", "summary", "test_plan", "paths", "tests")
 LAYER_OPTIONAL = ("stack_tests",)
-STACK_KEYS = ("packages", "require_owned", "scan_exclude")
+STACK_KEYS = ("packages", "require_owned", "scan_exclude", "levels")
 TOP_KEYS = ("layer", "stack")
 
 # Tracked paths that must be owned by some layer (besides the package directories).
@@ -89,6 +92,8 @@ class StackConfig:
     packages: tuple[str, ...] | None  # None: infer from the tree
     require_owned: tuple[str, ...] | None  # None: defaults
     scan_exclude: tuple[str, ...] = ()
+    #: The package's levels, bottom first (each a tuple of path entries); () : no level check.
+    levels: tuple[tuple[str, ...], ...] = ()
 
     def where(self, line: int | None) -> str:
         return f"{self.display}:{line}" if line else self.display
@@ -189,6 +194,7 @@ def load_config(path: Path, root: Path | None = None, text: str | None = None,
     packages: tuple[str, ...] | None = None
     require_owned: tuple[str, ...] | None = None
     scan_exclude: tuple[str, ...] = ()
+    levels: tuple[tuple[str, ...], ...] = ()
     stack = data.get("stack")
     if stack is not None:
         sline = next((i + 1 for i, ln in enumerate(lines) if _STACK_HEADER_RE.match(ln)), None)
@@ -206,6 +212,13 @@ def load_config(path: Path, root: Path | None = None, text: str | None = None,
                 require_owned = _check_str_list(stack["require_owned"],
                                                 f"{at(sline)}: [stack] require_owned", errors,
                                                 allow_empty=True)
+            if "levels" in stack:
+                raw = stack["levels"]
+                if not isinstance(raw, list) or not raw:
+                    errors.append(f"{at(sline)}: [stack] levels must be a non-empty list of path lists")
+                else:
+                    levels = tuple(_check_str_list(level, f"{at(sline)}: [stack] levels[{i}]", errors,
+                                                   allow_empty=False) for i, level in enumerate(raw))
             if "scan_exclude" in stack:
                 scan_exclude = _check_str_list(stack["scan_exclude"],
                                                f"{at(sline)}: [stack] scan_exclude", errors,
@@ -279,4 +292,5 @@ def load_config(path: Path, root: Path | None = None, text: str | None = None,
     if errors:
         raise ConfigError(errors)
     return StackConfig(path=path, display=display, layers=layers, packages=packages,
-                       require_owned=require_owned, scan_exclude=scan_exclude)
+                       require_owned=require_owned, scan_exclude=scan_exclude,
+                       levels=levels)
