@@ -5,6 +5,7 @@
     nox -s lint          # ruff
     nox -s stack         # per-layer checks of the stacked series (stack/)
     nox -s train         # README command 1: a 4-rank CPU training run
+    nox -s docs_long     # the docs' long examples (tests/docs with DOCS_LONG=1); not in CI
 
 The CPU sessions share one virtualenv (``.nox/_shared-cpu``) so torch is
 installed once. They pin ``torch==2.14.1`` (a local wheel on the project's
@@ -93,7 +94,27 @@ def cpu_tests(session: nox.Session, backend: str) -> None:
     session.run(
         python, "-m", "pytest", "tests", f"--backend={backend}", *session.posargs,
         external=True,  # exit 5 (no test collected) fails the session
+        env=_spmd_types_env(session, python),
     )
+
+
+#: ``TORCHTITAN_SPMD_SPMD_TYPES=spmd-types==0.2.3`` runs the CPU sessions on that spmd_types
+#: (upstream b5bcd76's pin) instead of the venv's 0.3.x: installed with ``--no-deps`` into its
+#: own folder under ``.nox/`` and put first on ``PYTHONPATH`` (small, pure Python; torch is
+#: the shared venv's).
+SPMD_TYPES_SPEC = os.environ.get("TORCHTITAN_SPMD_SPMD_TYPES", "").strip()
+
+
+def _spmd_types_env(session: nox.Session, python: str) -> dict[str, str]:
+    if not SPMD_TYPES_SPEC:
+        return {}
+    target = ROOT / ".nox" / ("_" + re.sub(r"[^A-Za-z0-9.]+", "-", SPMD_TYPES_SPEC))
+    if not (target / "spmd_types").is_dir():
+        session.run(python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
+                    "--target", str(target), SPMD_TYPES_SPEC, external=True)
+    path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
+    session.log(f"spmd_types from {target} ({SPMD_TYPES_SPEC})")
+    return {"PYTHONPATH": path}
 
 
 @nox.session(venv_backend="none")
@@ -156,3 +177,15 @@ def train(session: nox.Session) -> None:
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     session.run(*torchrun, "-m", "torchtitan_spmd.train", *args, external=True,
                 env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(venv_backend="none")
+def docs_long(session: nox.Session) -> None:
+    """Run every code block of README.md and docs/ tagged ``ci`` or ``long`` (not a default session).
+
+    The long ones are the multi-process training runs, the checkpoint chain, the Hugging Face
+    round trip and long-context CP: tens of minutes on 2 cores. ``cpu_tests`` runs the ``ci`` ones.
+    """
+    python = _shared_cpu_python(session)
+    session.run(python, "-m", "pytest", "tests/docs", "-p", "no:cacheprovider", "-s", *session.posargs,
+                external=True, env={"DOCS_LONG": "1"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 from typing_extensions import deprecated
 
 from torchtitan_spmd._errors import stacklevel_outside_library
+from torchtitan_spmd._surface import get_surface
 
 #: The release in which the legacy spellings will be removed.
 REMOVAL_RELEASE = "0.3.0"
@@ -41,8 +43,12 @@ def deprecation_message(old: str, new: str) -> str:
 
 
 def backend_for(full_dtensor: bool) -> str:
-    """The ``spmd_backend`` value that a legacy ``full_dtensor`` boolean means."""
-    return "full_dtensor" if full_dtensor else "default"
+    """The ``spmd_backend`` value that a legacy ``full_dtensor`` boolean means.
+
+    Spelled in the fork's surface: ``False`` is ``"default"`` under ``june`` and
+    ``"partial_dtensor"`` under ``august`` (the same backend).
+    """
+    return "full_dtensor" if full_dtensor else get_surface().spellings["default"]
 
 
 def _check_bool(where: str, value: Any) -> bool:
@@ -66,12 +72,71 @@ def resolve_backend(where: str, full_dtensor: bool, spmd_backend: str | None) ->
     return spmd_backend
 
 
+def _warn_cli(old: str, new: str) -> None:
+    """Warn about a legacy command-line flag (see :func:`_warn`)."""
+    _warn(old, new)
+
+
 def _warn(old: str, new: str) -> None:
-    warnings.warn(
-        deprecation_message(old, new),
-        LegacySpellingWarning,
-        stacklevel=stacklevel_outside_library(),
-    )
+    """Warn about a legacy spelling, blaming the user's line or the command line.
+
+    When the parse was called from the user's own Python code, the warning points at that
+    line, as every other channel. When nothing outside the library called it (the trainer run
+    as ``python -m torchtitan_spmd.train``, under torchrun or not), the first such frame is
+    Python's ``<frozen runpy>``, which means nothing to the user: the warning is then
+    attributed to ``<command line>`` instead.
+    """
+    level = stacklevel_outside_library()
+    frame = sys._getframe(0)  # stacklevel 1: this frame; stacklevel L: L - 1 frames up
+    for _ in range(level - 1):
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    if frame.f_code.co_filename.startswith("<frozen "):
+        warnings.warn_explicit(deprecation_message(old, new), LegacySpellingWarning,
+                               filename="<command line>", lineno=0,
+                               module="torchtitan_spmd.command_line")
+        return
+    warnings.warn(deprecation_message(old, new), LegacySpellingWarning, stacklevel=level)
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """One :class:`LegacySpellingWarning` for a field torchtitan renamed (``training.dataset`` is
+    ``dataloader.dataset`` since a0c831c49), pointing at the user's line."""
+    _warn(old, new)
+
+
+#: The fields torchtitan moved: old ``(section, field)`` -> new ``(section, field)``, the
+#: section ``""`` for the root config (upstream's ``Trainer.Config`` fields).
+RENAMED_FIELDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("training", "dataset"): ("dataloader", "dataset"),
+    ("training", "dataset_path"): ("dataloader", "dataset_path"),
+    ("model", "hf_assets_path"): ("", "hf_assets_path"),
+}
+
+
+def _spelled(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
+def move_renamed_fields(config: Any) -> None:
+    """Move every set old spelling of :data:`RENAMED_FIELDS` of the root ``config`` to its new
+    place, with one warning each; ``ValueError`` when both spellings are set to different values.
+    A root without the new place (a fork's own root dataclass) keeps the old spelling, unwarned."""
+    for (old_section, old_name), (new_section, new_name) in RENAMED_FIELDS.items():
+        old_owner = getattr(config, old_section, None)
+        new_owner = getattr(config, new_section, None) if new_section else config
+        if (old_owner is None or new_owner is None or not hasattr(new_owner, new_name)
+                or getattr(old_owner, old_name, None) is None):
+            continue
+        value, current = getattr(old_owner, old_name), getattr(new_owner, new_name)
+        default = type(new_owner).__dataclass_fields__[new_name].default
+        old, new = _spelled(old_section, old_name), _spelled(new_section, new_name)
+        if current != default and current != value:
+            raise ValueError(f"conflicting settings {old}={value!r} and {new}={current!r}: drop the deprecated {old}.")
+        warn_renamed(old, new)
+        object.__setattr__(new_owner, new_name, value)
+        object.__setattr__(old_owner, old_name, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -258,7 +323,7 @@ def translate_legacy_cli_args(argv: Sequence[str]) -> list[str]:
         return out
     spelled, value = legacy
     backend = resolve_backend(spelled, value, explicit)
-    _warn(spelled, f"--parallelism.spmd_backend {backend}")
+    _warn_cli(spelled, f"--parallelism.spmd_backend {backend}")
     if explicit is None:
         out += ["--parallelism.spmd_backend", backend]
     return out

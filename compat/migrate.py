@@ -8,7 +8,7 @@ Run it as::
 (version-control, nox/tox, virtualenv and cache folders are skipped). The
 rewrite is mechanical and idempotent: a second run changes nothing.
 
-- **Python** (``.py``, ``.pyi``; needs ``libcst``, ``pip install torchtitan-spmd[migrate]``),
+- **Python** (``.py``, ``.pyi``; needs ``libcst``, ``pip install -e ".[migrate]"``),
   formatting and comments preserved:
 
   - ``ParallelDims(full_dtensor=True)`` / ``False`` / ``flag`` becomes
@@ -39,6 +39,12 @@ rewrite is mechanical and idempotent: a second run changes nothing.
   One shell word stays one word: ``--parallelism.full_dtensor=false`` and a flag
   that is a whole quoted word or a YAML list item use ``--parallelism.spmd_backend=...``.
 
+Then, whatever ``--to``, the fields upstream moved at a0c831c49 (:mod:`.migrate_fields`):
+``training.dataset`` / ``training.dataset_path`` -> ``dataloader.*`` and
+``model.hf_assets_path`` -> the root's ``hf_assets_path``, in Python attribute chains, CLI
+flags (in shell, YAML and Python strings) and TOML tables; keywords of ``TrainingConfig(...)``
+/ ``ModelConfig(...)`` are reported.
+
 Exit status: 0 on success; 1 with ``--check`` when a file would change; 2 when a
 path does not exist, ``libcst`` is missing, or a file could not be read or parsed.
 """
@@ -52,11 +58,15 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtitan_spmd._errors import install_hint
+
+from . import migrate_august as _august
+from . import migrate_fields as _fields
 from .legacy import LEGACY_KEY as LEGACY
 from .legacy import backend_for
 
@@ -100,7 +110,7 @@ SKIP_DIRS = frozenset(
     }
 )
 
-_INSTALL_HINT = "pip install torchtitan-spmd[migrate]"
+_INSTALL_HINT = install_hint("migrate")
 
 NOT_REVIEW = (
     'not X.full_dtensor became X.spmd_backend != "full_dtensor", which is now also true '
@@ -845,11 +855,12 @@ def tree_definitions(files: Iterable[str | os.PathLike[str]]) -> dict[str, Defin
 
 
 def migrate_file(
-    path: str | os.PathLike[str], *, definitions: dict[str, Definition] | None = None
+    path: str | os.PathLike[str], *, definitions: dict[str, Definition] | None = None, to: str = "june"
 ) -> FileMigration:
     """Migrate one file's text (nothing is written); the suffix selects the rewrite.
 
-    ``definitions``: see :func:`migrate_python`.
+    ``definitions``: see :func:`migrate_python`. ``to="august"`` also runs the second step,
+    upstream June's spellings to August's (:mod:`.migrate_august`).
     Raises :class:`MigrationError` for an unsupported suffix, an undecodable
     file or Python that does not parse.
     """
@@ -864,17 +875,50 @@ def migrate_file(
         result = migrate_toml(original)
     else:
         result = migrate_cli_text(original)
+    if to not in ("june", "august"):
+        raise ValueError(f"migrate: to must be 'june' or 'august', got {to!r}.")
+    result = _move_fields(suffix, result)
+    if to == "august":
+        result = _then(suffix, result, _august.migrate_python_august, _august.migrate_toml_august,
+                       _august.migrate_cli_text_august)
     return FileMigration(path, original, result)
 
 
-def migrate_path(path: str | os.PathLike[str], *, write: bool = False) -> list[FileMigration]:
+_FIELDS_HINT = re.compile(r"dataset|hf[-_]assets[-_]path")
+
+
+def _move_fields(suffix: str, result: MigrationResult) -> MigrationResult:
+    """The field-move step (:mod:`.migrate_fields`: ``training.dataset*`` -> ``dataloader.*``,
+    ``model.hf_assets_path`` -> the root's) on the first step's text; its review sites added."""
+    if not _FIELDS_HINT.search(result.text):
+        return result
+    return _then(suffix, result, _fields.migrate_python_fields, _fields.migrate_toml_fields,
+                 _fields.migrate_cli_text_fields)
+
+
+def _then(suffix: str, result: MigrationResult, python: Callable[[str], Any], toml: Callable[[str], Any],
+          cli: Callable[[str], Any]) -> MigrationResult:
+    """A further step on ``result``'s text, the one for this file kind (Python, TOML, else command
+    lines); the review sites of both, in line order."""
+    step = python if suffix in PYTHON_SUFFIXES else toml if suffix in TOML_SUFFIXES else cli
+    try:
+        moved = step(result.text)
+    except Exception as exc:  # noqa: BLE001 - libcst's parser errors
+        raise MigrationError(f"cannot parse: {exc}") from None
+    sites = [*result.review_sites, *(ReviewSite(s.line, s.message) for s in moved.review_sites)]
+    return MigrationResult(moved.text, sorted(sites, key=lambda site: site.line))
+
+
+def migrate_path(path: str | os.PathLike[str], *, write: bool = False, to: str = "june") -> list[FileMigration]:
     """Migrate every handled file under ``path``; with ``write=True`` save the changes.
 
-    Returns one :class:`FileMigration` per file examined (check ``.changed``).
+    ``to``: ``"june"`` (``full_dtensor`` -> ``spmd_backend``) or ``"august"`` (that, then
+    upstream b5bcd76's spellings). Returns one :class:`FileMigration` per file examined
+    (check ``.changed``).
     """
     files = list(iter_files(path))
     definitions = tree_definitions(files)
-    migrations = [migrate_file(file, definitions=definitions) for file in files]
+    migrations = [migrate_file(file, definitions=definitions, to=to) for file in files]
     if write:
         for migration in migrations:
             if migration.changed:
@@ -896,6 +940,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--diff", action="store_true", help="write nothing; print a unified diff of the changes"
+    )
+    parser.add_argument(
+        "--to", choices=("june", "august"), default="june",
+        help="june: full_dtensor -> spmd_backend (upstream a0c831c49); august: that, then upstream "
+             "b5bcd76's spellings (partial_dtensor, the dense/sparse mesh getters, token budgets)",
     )
     return parser
 
@@ -923,7 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     definitions = tree_definitions(files)
     for file in files:
         try:
-            migration = migrate_file(file, definitions=definitions)
+            migration = migrate_file(file, definitions=definitions, to=args.to)
         except ImportError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -16,12 +17,24 @@ class MissingExtraError(ImportError, ValueError):
     a setup error (one line, exit status 2), like a bad config value."""
 
 
+def install_hint(extra: str) -> str:
+    """The command that installs the optional ``extra``, spelled as the README spells it.
+
+    The package is installed from its clone (it is not on a package index), so the command is
+    ``pip install -e ".[EXTRA]"`` run in the clone's root; the root is named when this package
+    runs from one (an editable install or ``PYTHONPATH``).
+    """
+    root = Path(__file__).resolve().parent.parent
+    where = f"in {root}" if (root / "pyproject.toml").is_file() else "in the torchtitan_spmd clone"
+    return f'pip install -e ".[{extra}]" ({where})'
+
+
 def require(module: str, extra: str, feature: str) -> Any:
     """Import ``module`` or raise :class:`MissingExtraError` naming the feature and the extra to install."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise MissingExtraError(f"{feature} needs the {module!r} package: pip install 'torchtitan-spmd[{extra}]' "
+        raise MissingExtraError(f"{feature} needs the {module!r} package: {install_hint(extra)} "
                                 f"({err}).") from None
 
 
@@ -33,7 +46,15 @@ def suggest(value: Any, choices: Iterable[Any]) -> str:
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PACKAGE_DIRS = (_PACKAGE_DIR, os.path.realpath(_PACKAGE_DIR) + os.sep)
+_PACKAGE_DIRS: tuple[str, ...] = (_PACKAGE_DIR, os.path.realpath(_PACKAGE_DIR) + os.sep)
+try:  # tyro builds the config from the command line: its frames are never the user's line either
+    import importlib.util as _util
+
+    _TYRO = _util.find_spec("tyro")
+    if _TYRO is not None and _TYRO.submodule_search_locations:
+        _PACKAGE_DIRS += tuple(os.path.realpath(d) + os.sep for d in _TYRO.submodule_search_locations)
+except (ImportError, ValueError):  # pragma: no cover - tyro is a dependency
+    pass
 
 
 def _is_library_frame(frame: FrameType) -> bool:
@@ -49,8 +70,9 @@ def _is_library_frame(frame: FrameType) -> bool:
 def stacklevel_outside_library() -> int:
     """The ``stacklevel`` that makes the caller's ``warnings.warn`` blame the first user frame.
 
-    Frames inside ``torchtitan_spmd`` (``compat/`` included) are skipped, so a
-    warning points at the user's own line whatever the internal call depth.
+    Frames inside ``torchtitan_spmd`` (``compat/`` included) and tyro (which builds the
+    config from the command line) are skipped, so a warning points at the user's own line
+    whatever the internal call depth.
     """
     frame: FrameType | None = sys._getframe(2)  # the frame that called our caller
     level = 2

@@ -6,10 +6,15 @@ for 4 ranks on 2 cores, against 6 s for spawned ones), rendezvous through a
 ``FileStore`` in a temporary directory, run one thread each, and send their results
 back as pickles: return plain Python data (lists, floats), not tensors. Every
 collective gets the given timeout, and the launcher kills ranks that outlive it.
+
+:func:`run_isolated` runs one function in a clean child process instead (a fork server's):
+for work that must not run in this process (a dry run's meta backward starts autograd's
+threads) and must not be forked from it either (this process may hold threads).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "run_forked"]
+__all__ = ["WorkerError", "run_forked", "run_isolated"]
 
 
 class WorkerError(RuntimeError):
@@ -61,8 +66,12 @@ def _worker(
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
         result = ("error", traceback.format_exc())
-    with open(out, "wb") as f:
+    # Written whole or not at all: when one rank fails, torch's join terminates the others,
+    # possibly halfway through their own write; a rename is atomic, a partial file is never seen.
+    partial = out + ".partial"
+    with open(partial, "wb") as f:
         pickle.dump(result, f)
+    os.replace(partial, out)
     if result[0] == "error":
         os._exit(1)
 
@@ -109,7 +118,7 @@ def run_forked(
         for rank in range(world_size):
             path = os.path.join(workdir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {rank}: exited without a result")
+                errors.append(f"rank {rank}: exited without a result (killed, or ended by a failing rank)")
                 results.append(None)
                 continue
             with open(path, "rb") as f:
@@ -122,3 +131,25 @@ def run_forked(
         if errors:
             raise WorkerError("\n".join(errors)) from failure
         return results
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> Any:
+    """Return ``fn(*args)`` run in a child of a fork server, a process that never ran this one's
+    threads; raise :class:`TimeoutError` (the child killed) after ``timeout_s``.
+
+    Why not a plain fork: a child forked from a process that holds threads (autograd's workers
+    after a backward, a checkpoint or progress-bar thread pool) inherits every lock one of them
+    held at that instant, and can wait on it forever (seen: a forked child of the test session,
+    0 CPU seconds on a futex). Why not spawn: the fork server imports torch and this package
+    once (``set_forkserver_preload``), so each child starts in well under a second. ``fn`` and
+    ``args`` are pickled: ``fn`` must be importable by name, and the result must pickle.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torchtitan_spmd.train"])
+    with ctx.Pool(1, maxtasksperchild=1) as pool:  # the context's exit terminates the child
+        pending = pool.apply_async(fn, args)
+        try:
+            return pending.get(timeout=timeout_s)
+        except multiprocessing.TimeoutError:
+            raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} did not finish within "
+                               f"{timeout_s:.0f} s in its isolated child") from None

@@ -15,7 +15,7 @@ global batches, in float64, sharing no runtime code with the trainer. It prints 
 per-step losses and gradient norms side by side with each step's largest relative
 difference from the reference, and writes a PNG of both curves (``--plot``, default
 ``<job.dump_folder>/parity_loss.png``; needs the optional ``plot`` extra:
-``pip install 'torchtitan-spmd[plot]'``; without matplotlib the plot is skipped
+``pip install -e ".[plot]"``; without matplotlib the plot is skipped
 with a note). ``--no-reference`` compares the backends with the first one instead
 (for a family the reference does not restate).
 
@@ -52,8 +52,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from torchtitan_spmd._errors import install_hint
 from torchtitan_spmd.config import SPMD_BACKENDS, ConfigManager, JobConfig
 from torchtitan_spmd.config.manager import LIBRARY_FIRST
 
@@ -81,6 +82,7 @@ REFERENCE = "reference"
 #: The plot's file name under ``job.dump_folder`` (or under a ``--plot`` directory).
 PLOT_NAME = "parity_loss.png"
 
+_LOADED_RE = re.compile(r"checkpoint: loaded (\S+) \(")
 _STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)\s+grad_norm:\s*([-+0-9.eEnaif]+)")
 
 _METRICS = ("loss", "grad_norm")
@@ -95,6 +97,9 @@ class ParityResult:
     description: str
     steps: int | None = None
     """The number of steps every run must have (``training.steps``); None: the baseline's."""
+    loaded: dict[str, str | None] = field(default_factory=dict)
+    """Per backend run, the checkpoint it started from (its path as the trainer logged it), or
+    None when it loaded none; empty when the launcher could not tell."""
 
     @property
     def backends(self) -> list[str]:
@@ -167,6 +172,44 @@ def gate(result: ParityResult, tol: float | None = None, grad_norm_tol: float | 
                     failures.append(f"{name}: {metric} {worst:.2e} from {base_name} at step {at} > "
                                     f"{flag} {tols[index]:g}")
     return failures
+
+
+def seed_report(result: ParityResult, seed: str | None) -> list[str]:
+    """Confirm that every backend started from the seed checkpoint ``seed`` (printed, one line
+    each); return a failure for each run that loaded another checkpoint or none.
+
+    ``seed``: ``checkpoint.initial_load_path`` when checkpointing is on, else None (nothing to
+    confirm). A run's own folder holding a checkpoint wins over ``initial_load_path`` (the
+    trainer's rule), which is exactly what this catches.
+    """
+    if not seed:
+        return []
+    failures = []
+    want = os.path.realpath(seed)
+    for name, path in result.loaded.items():
+        if path is not None and os.path.realpath(path) == want:
+            print(f"seed: {name} started from {path}")
+        else:
+            failures.append(f"{name}: started from {path or 'no checkpoint'}, not the seed checkpoint "
+                            f"checkpoint.initial_load_path={seed!r}")
+    if REFERENCE in result.runs:
+        print(f"seed: the {REFERENCE} read its initial weights from {seed}")
+    return failures
+
+
+def pass_line(result: ParityResult, tol: float | None, grad_norm_tol: float | None) -> str:
+    """The last line of a passing report: what was gated, and the largest differences found."""
+    base = result.runs[result.baseline]
+    others = [run for name, run in result.runs.items() if name != result.baseline]
+    worst = [max((_worst(run, base, i)[0] for run in others), default=0.0) for i in range(len(_METRICS))]
+    steps = result.steps if result.steps is not None else len(base)
+    if tol is None and grad_norm_tol is None:
+        gated = "no tolerance given (--tol), so only NaNs and run lengths were gated"
+    else:
+        gn = tol if grad_norm_tol is None else grad_norm_tol
+        gated = ", ".join(f"{flag} {t:g}" for flag, t in (("--tol", tol), ("--grad-norm-tol", gn)) if t is not None)
+    return (f"PASS: {len(others)} run(s) against the {result.baseline} over {steps} steps; largest "
+            f"relative difference: loss {worst[0]:.1e}, grad norm {worst[1]:.1e}; {gated}")
 
 
 def _table(result: ParityResult, index: int) -> list[str]:
@@ -252,7 +295,7 @@ def write_plot(result: ParityResult, path: str) -> bool:
     plt = _matplotlib()
     if plt is None:
         print("note: matplotlib is not installed, so no plot was written "
-              "(install the optional extra: pip install 'torchtitan-spmd[plot]').")
+              f"(install the optional extra: {install_hint('plot')}).")
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))  # type: ignore[attr-defined]
     styles = [("-", 3.5, "o"), ("--", 2.2, "s"), (":", 1.6, "^"), ("-.", 1.2, "x")]
@@ -313,14 +356,15 @@ def _backend_config(base: JobConfig, backend: str) -> JobConfig:
     return JobConfig.from_dict(data)
 
 
-def _train_rank(rank: int, world: int, cfg: JobConfig) -> list[tuple[float, float]]:
+def _train_rank(rank: int, world: int, cfg: JobConfig) -> tuple[list[tuple[float, float]], str | None]:
     from torchtitan_spmd.train import Trainer
 
     trainer = Trainer(cfg)
-    return [(r.loss, r.grad_norm) for r in trainer.run()]
+    loaded = trainer.checkpointer.loaded
+    return [(r.loss, r.grad_norm) for r in trainer.run()], (str(loaded["path"]) if loaded else None)
 
 
-def _run_fork(cfg: JobConfig, nproc: int) -> list[tuple[float, float]]:
+def _run_fork(cfg: JobConfig, nproc: int) -> tuple[list[tuple[float, float]], str | None]:
     if cfg.debug.deterministic:
         import torch._inductor  # noqa: F401  (deterministic mode imports it: once, before forking)
 
@@ -328,10 +372,10 @@ def _run_fork(cfg: JobConfig, nproc: int) -> list[tuple[float, float]]:
     from torchtitan_spmd.launcher import run_forked
 
     per_rank = run_forked(_train_rank, nproc, cfg, timeout_s=1800)
-    for rank, records in enumerate(per_rank):
-        if records != per_rank[0]:
-            raise RuntimeError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
-    return per_rank[0]
+    for rank, (records, _) in enumerate(per_rank):
+        if records != per_rank[0][0]:
+            raise RuntimeError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0][0]}")
+    return per_rank[0][0], per_rank[0][1]
 
 
 def _free_port() -> int:
@@ -340,7 +384,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_torchrun(overrides: Sequence[str], backend: str, nproc: int) -> list[tuple[float, float]]:
+def _run_torchrun(overrides: Sequence[str], backend: str,
+                  nproc: int) -> tuple[list[tuple[float, float]], str | None]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -358,7 +403,8 @@ def _run_torchrun(overrides: Sequence[str], backend: str, nproc: int) -> list[tu
         steps[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
     if not steps:
         raise RuntimeError(f"torchrun ({backend}) logged no 'step: N loss: X' lines:\n{text[-4000:]}")
-    return [steps[k] for k in sorted(steps)]
+    loaded = _LOADED_RE.search(text)
+    return [steps[k] for k in sorted(steps)], (loaded.group(1) if loaded else None)
 
 
 def data_parallel_degree(base: JobConfig, nproc: int) -> int:
@@ -383,15 +429,16 @@ def collect(base: JobConfig, *, nproc: int, backends: Sequence[str] = BACKENDS,
     ``overrides``: the CLI overrides (the torchrun launcher passes them on).
     """
     runs: dict[str, list[tuple[float, float]]] = {}
+    loaded: dict[str, str | None] = {}
     if reference:
         print(f"running the {REFERENCE} (one process, float64) ...", flush=True)
         runs[REFERENCE] = _run_reference(base, nproc)
     for backend in backends:
         print(f"running {backend} on {nproc} rank(s) ({launcher}) ...", flush=True)
         if launcher == "fork":
-            runs[backend] = _run_fork(_backend_config(base, backend), nproc)
+            runs[backend], loaded[backend] = _run_fork(_backend_config(base, backend), nproc)
         elif launcher == "torchrun":
-            runs[backend] = _run_torchrun(overrides, backend, nproc)
+            runs[backend], loaded[backend] = _run_torchrun(overrides, backend, nproc)
         else:
             raise ValueError(f"unknown launcher {launcher!r}; use 'fork' or 'torchrun'.")
     p = base.parallelism
@@ -399,7 +446,8 @@ def collect(base: JobConfig, *, nproc: int, backends: Sequence[str] = BACKENDS,
         f"{base.model.name}/{base.model.flavor}, {nproc} rank(s): dp_replicate={p.data_parallel_replicate_degree} "
         f"dp_shard={p.data_parallel_shard_degree} tp={p.tensor_parallel_degree}"
     )
-    return ParityResult(runs=runs, nproc=nproc, description=description, steps=base.training.steps)
+    return ParityResult(runs=runs, nproc=nproc, description=description, steps=base.training.steps,
+                        loaded=loaded)
 
 
 def _tolerance(text: str) -> float:
@@ -502,9 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:
             print(f"error: could not write the plot {plot!r}: {err.strerror or err}", file=sys.stderr)
             status = 2
-    failures = gate(result, opts.tol, opts.grad_norm_tol)
+    seed = base.checkpoint.initial_load_path if base.checkpoint.enable else None
+    failures = gate(result, opts.tol, opts.grad_norm_tol) + seed_report(result, seed)
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
+    if not failures:
+        print(pass_line(result, opts.tol, opts.grad_norm_tol))
     return 1 if failures else status
 
 

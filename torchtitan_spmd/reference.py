@@ -20,6 +20,13 @@ What it takes from the project, and only as data:
   split the trainer does is what the comparison checks), each checked to be
   next-token pairs (:func:`global_batches`).
 
+DeepSeek-V3 (``deepseek_v3``) is restated from its math too: multi-head latent attention
+(:func:`_latent_attention`: the low-rank projections and norms, the shared rope key, scores as
+the sum of the no-rope and rope parts' products, the YaRN frequencies of :func:`_yarn_inv_freq`
+and its softmax scale), group-limited routing (:func:`_moe`: groups ranked by the sum of their
+two best biased scores, experts outside the best ``topk_group`` groups never chosen), shared
+experts, and the first ``first_k_dense_replace`` blocks dense.
+
 Mixture-of-experts layers (qwen3's MoE flavours) are restated densely (:func:`_moe`): every
 expert on every token, weighted by a gate matrix that is zero off each token's chosen
 experts; the choice by pairwise comparison (:func:`_choose_experts`), not a sort; the expert
@@ -30,9 +37,10 @@ Pure parts (:func:`forward`, :func:`lr_factor`, :func:`train`) import torch only
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -46,7 +54,9 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "BIAS",
+    "MLAArchitecture",
     "MoEArchitecture",
+    "ReferenceTrace",
     "checkpoint_weights",
     "forward",
     "global_batches",
@@ -77,7 +87,26 @@ class Architecture:
     norm_eps: float
     rope_theta: float
     moe: MoEArchitecture | None = None
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    """The RoPE scaling's fields as ``(name, value)`` pairs (empty or ``kind="none"``: none); restated
+    by :func:`_frequencies`."""
     """Mixture-of-experts feed-forwards (None: dense)."""
+    mla: MLAArchitecture | None = None
+    """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+    dense_layers: int = 0
+    """The first this many blocks are dense even with ``moe`` (DeepSeek's ``first_k_dense_replace``)."""
+
+
+@dataclass(frozen=True)
+class MLAArchitecture:
+    """The numbers of DeepSeek-V3's multi-head latent attention (see :func:`_latent_attention`)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    yarn: tuple[float, int, float, float, float] | None
+    """``(factor, original_seq_len, beta_fast, beta_slow, mscale)``, or None: plain RoPE."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +120,15 @@ class MoEArchitecture:
     route_scale: float
     load_balance_coeff: float | None
     force_load_balance: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    shared_experts: bool = False
 
 
 #: Family name -> (RoPE pairing, QK norm). The numbers come from the family's flavour.
 ARCHITECTURES: dict[str, tuple[Literal["interleaved", "half"], bool]] = {
     "llama3": ("interleaved", False),
+    "deepseek_v3": ("interleaved", False),
     "qwen3": ("half", True),
 }
 
@@ -105,13 +138,70 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _rope(x: torch.Tensor, theta: float, style: str) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, seq, heads, d]``: pair ``i`` of position ``p`` by ``p * theta**(-2i/d)``."""
+def _frequencies(d: int, theta: float, scaling: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """The ``d/2`` angular frequencies and the factor on ``cos``/``sin``, one frequency at a time.
+
+    ``llama`` (Llama 3.1): a wavelength ``2 pi / f`` longer than ``ctx / low_freq_factor`` is slowed
+    ``factor`` times, one shorter than ``ctx / high_freq_factor`` kept, in between
+    ``f * ((1 - a) / factor + a)`` with ``a = (ctx / wavelength - low) / (high - low)``.
+    ``yarn``: dimension ``i`` of the ``d/2`` keeps ``f`` below the dimension that turns
+    ``beta_fast`` times over ``ctx``, is slowed ``factor`` times above the one that turns ``beta_slow``
+    times, linearly in between; ``cos``/``sin`` carry ``0.1 ln(factor) + 1`` (or the ratio with
+    ``mscale``/``mscale_all_dim``, or ``attention_factor``).
+    """
+    kind = scaling.get("kind", "none")
+    out, gain = [], 1.0
+    for i in range(d // 2):
+        f = theta ** (-2.0 * i / d)
+        if kind == "llama":
+            ctx, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+            lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            wavelength = 2 * math.pi / f
+            if wavelength > ctx / lo:
+                f = f / factor
+            elif wavelength >= ctx / hi:
+                a = (ctx / wavelength - lo) / (hi - lo)
+                f = f * ((1 - a) / factor + a)
+        elif kind == "yarn":
+            ctx, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+
+            low, high = (d * math.log(ctx / (scaling[b] * 2 * math.pi)) / (2 * math.log(theta))
+                         for b in ("beta_fast", "beta_slow"))  # the dimensions turning beta times over ctx
+            if scaling["truncate"]:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, d - 1)
+            high = high + 0.001 if high == low else high
+            slowed = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: f kept, 1: f / factor
+            f = f * (1 - slowed) + f / factor * slowed
+        out.append(f)
+    if kind == "yarn":
+        factor = scaling["factor"]
+
+        def m(scale: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+        if scaling["attention_factor"] is not None:
+            gain = scaling["attention_factor"]
+        elif scaling["mscale"] and scaling["mscale_all_dim"]:
+            gain = m(scaling["mscale"]) / m(scaling["mscale_all_dim"])
+        else:
+            gain = m(1.0)
+    return torch.tensor(out, dtype=torch.float64), gain
+
+
+def _rope(x: torch.Tensor, theta: float, style: str, scaling: Mapping[str, Any] | None = None,
+          freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, seq, heads, d]``: pair ``i`` of position ``p`` by ``p * f_i``
+    (:func:`_frequencies`: ``theta**(-2i/d)`` unless scaled), the result times the scaling's gain;
+    or by ``p * freq[i]`` when the frequencies are given (DeepSeek's MLA restates its own YaRN)."""
     seq, d = x.shape[1], x.shape[3]
-    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if freq is None:
+        freq, gain = _frequencies(d, theta, scaling or {})
+    else:
+        gain = 1.0
     angle = torch.outer(torch.arange(seq, dtype=torch.float64), freq)
-    cos = angle.cos().to(x.dtype)[None, :, None, :]
-    sin = angle.sin().to(x.dtype)[None, :, None, :]
+    cos = (gain * angle.cos()).to(x.dtype)[None, :, None, :]
+    sin = (gain * angle.sin()).to(x.dtype)[None, :, None, :]
     if style == "interleaved":
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
@@ -128,10 +218,64 @@ def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch
     if arch.qk_norm:
         q = _rms_norm(q, w[prefix + "q_norm.weight"], arch.norm_eps)
         k = _rms_norm(k, w[prefix + "k_norm.weight"], arch.norm_eps)
-    q, k = _rope(q, arch.rope_theta, arch.rope), _rope(k, arch.rope_theta, arch.rope)
+    scaling = dict(arch.rope_scaling)
+    q, k = _rope(q, arch.rope_theta, arch.rope, scaling), _rope(k, arch.rope_theta, arch.rope, scaling)
     group = q.shape[2] // k.shape[2]  # query head h reads key/value head h // group
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, seq, -1)
+    return out @ w[prefix + "wo.weight"].T
+
+
+def _yarn_inv_freq(d: int, theta: float, yarn: tuple[float, int, float, float, float]) -> torch.Tensor:
+    """YaRN's RoPE frequencies: pair ``i``'s ``theta**(-2i/d)`` kept where its wavelength fits
+    ``original_seq_len`` more than ``beta_fast`` times, divided by ``factor`` where it fits fewer
+    than ``beta_slow`` times, linearly between (the range's ends floored/ceiled into ``[0, d-1]``)."""
+    factor, original, beta_fast, beta_slow, _ = yarn
+    i = torch.arange(d // 2, dtype=torch.float64)
+    freq = theta ** (-2.0 * i / d)
+
+    def pair_where(turns: float) -> float:  # the (real) pair index whose wavelength fits ``turns`` times
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = max(math.floor(pair_where(beta_fast)), 0), min(math.ceil(pair_where(beta_slow)), d - 1)
+    blend = ((i - lo) / ((hi - lo) if hi != lo else 0.001)).clamp(0.0, 1.0)  # 0: extrapolate, 1: interpolate
+    return freq * (1.0 - blend) + (freq / factor) * blend
+
+
+def _latent_attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str,
+                      arch: Architecture) -> torch.Tensor:
+    """DeepSeek-V3's multi-head latent attention on ``x`` ``[batch, seq, dim]``, causal.
+
+    ``q = wq x`` (or ``wq_b rms(wq_a x)``), per head ``[q_nope, q_rope]``; ``wkv_a x = [c, k_rope]``
+    with one ``k_rope`` for every head; ``wkv_b rms(c)`` = per head ``[k_nope, v]``; score
+    ``(q_nope . k_nope + rope(q_rope) . rope(k_rope)) * scale``, ``scale = (nope + rope)**-0.5``
+    times ``(0.1 * mscale * ln(factor) + 1)**2`` under YaRN.
+    """
+    m = arch.mla
+    assert m is not None
+    bsz, seq, _ = x.shape
+    nope, rope_d = m.qk_nope_head_dim, m.qk_rope_head_dim
+    if prefix + "wq.weight" in w:
+        q = x @ w[prefix + "wq.weight"].T
+    else:
+        q = _rms_norm(x @ w[prefix + "wq_a.weight"].T, w[prefix + "q_norm.weight"], arch.norm_eps) @ w[prefix + "wq_b.weight"].T
+    q = q.view(bsz, seq, -1, nope + rope_d)
+    compressed = x @ w[prefix + "wkv_a.weight"].T
+    latent, k_rope = compressed[..., : m.kv_lora_rank], compressed[..., m.kv_lora_rank:]
+    kv = (_rms_norm(latent, w[prefix + "kv_norm.weight"], arch.norm_eps) @ w[prefix + "wkv_b.weight"].T)
+    kv = kv.view(bsz, seq, -1, nope + m.v_head_dim)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    freq = None if m.yarn is None else _yarn_inv_freq(rope_d, arch.rope_theta, m.yarn)
+    q_rope = _rope(q[..., nope:], arch.rope_theta, "interleaved", freq=freq)
+    k_rope = _rope(k_rope[:, :, None, :], arch.rope_theta, "interleaved", freq=freq)[:, :, 0, :]
+    scale = (nope + rope_d) ** -0.5
+    if m.yarn is not None and m.yarn[0] > 1 and m.yarn[4]:
+        scale *= (0.1 * m.yarn[4] * math.log(m.yarn[0]) + 1.0) ** 2
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q[..., :nope], k_nope)
+              + torch.einsum("bqhd,bkd->bhqk", q_rope, k_rope)) * scale
     future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, seq, -1)
@@ -175,6 +319,11 @@ def _moe(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, moe: MoEAr
                 chosen[t, (t * moe.top_k + j) % n_experts] = True
     else:
         key = scores.detach() if bias is None else scores.detach() + bias
+        if moe.n_group > 1:  # only the experts of the topk_group best groups are eligible
+            per = n_experts // moe.n_group
+            best_two = key.view(n_tokens, moe.n_group, per).topk(min(2, per), dim=-1).values.sum(-1)
+            eligible = _choose_experts(best_two, moe.topk_group).repeat_interleave(per, dim=1)
+            key = torch.where(eligible, key, torch.full_like(key, float("-inf")))
         chosen = _choose_experts(key, moe.top_k)
     gates = torch.where(chosen, scores, torch.zeros_like(scores))
     if moe.route_norm:
@@ -185,6 +334,9 @@ def _moe(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, moe: MoEAr
     for ex in range(n_experts):
         y = (F.silu(xt @ w1[ex].T) * (xt @ w3[ex].T)) @ w2[ex].T
         out = out + gates[:, ex : ex + 1] * y
+    if moe.shared_experts:
+        s1, s2, s3 = (w[prefix + f"shared_experts.{n}"] for n in ("w1", "w2", "w3"))
+        out = out + (F.silu(xt @ s1.T) * (xt @ s3.T)) @ s2.T
     return out.view(bsz, seq, dim), chosen.sum(dim=0)
 
 
@@ -192,23 +344,33 @@ def _layer_count(weights: Mapping[str, torch.Tensor]) -> int:
     return len({name.split(".")[1] for name in weights if name.startswith("layers.")})
 
 
-def _expected_names(n_layers: int, qk_norm: bool, moe: MoEArchitecture | None = None) -> set[str]:
+def _expected_names(n_layers: int, qk_norm: bool, moe: MoEArchitecture | None = None,
+                    mla: MLAArchitecture | None = None, dense_layers: int = 0, q_lora: bool = False) -> set[str]:
     names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
-    per_layer = ["attention_norm.weight", "ffn_norm.weight", *(f"attention.{m}.weight" for m in "wq wk wv wo".split())]
-    if moe is None:
-        per_layer += [f"feed_forward.{m}.weight" for m in ("w1", "w2", "w3")]
+    if mla is None:
+        attention = [f"attention.{m}.weight" for m in "wq wk wv wo".split()]
     else:
-        per_layer += ["moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3"]
+        attention = [f"attention.{m}.weight" for m in ("wkv_a", "kv_norm", "wkv_b", "wo")]
+        attention += [f"attention.{m}.weight" for m in (("wq_a", "q_norm", "wq_b") if q_lora else ("wq",))]
+    common = ["attention_norm.weight", "ffn_norm.weight", *attention]
+    dense = [f"feed_forward.{m}.weight" for m in ("w1", "w2", "w3")]
+    sparse = []
+    if moe is not None:
+        sparse = ["moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3"]
         if moe.load_balance_coeff is not None:
-            per_layer.append(BIAS)
+            sparse.append(BIAS)
+        if moe.shared_experts:
+            sparse += [f"moe.shared_experts.{m}" for m in ("w1", "w2", "w3")]
     if qk_norm:
-        per_layer += ["attention.q_norm.weight", "attention.k_norm.weight"]
-    return names | {f"layers.{i}.{p}" for i in range(n_layers) for p in per_layer}
+        common += ["attention.q_norm.weight", "attention.k_norm.weight"]
+    return names | {f"layers.{i}.{p}" for i in range(n_layers)
+                    for p in common + (sparse if moe is not None and i >= dense_layers else dense)}
 
 
 def _check_names(weights: Mapping[str, torch.Tensor], arch: Architecture) -> int:
     n_layers = _layer_count(weights)
-    expected = _expected_names(n_layers, arch.qk_norm, arch.moe)
+    q_lora = arch.mla is not None and "layers.0.attention.wq_a.weight" in weights
+    expected = _expected_names(n_layers, arch.qk_norm, arch.moe, arch.mla, arch.dense_layers, q_lora)
     if set(weights) != expected:
         raise ValueError(f"reference: the weights do not match the architecture: missing "
                          f"{sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}.")
@@ -228,10 +390,11 @@ def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Arc
     h = weights["tok_embeddings.weight"][tokens]
     for i in range(n_layers):
         p = f"layers.{i}."
-        h = h + _attention(_rms_norm(h, weights[p + "attention_norm.weight"], arch.norm_eps), weights,
-                           p + "attention.", arch)
+        attend = _attention if arch.mla is None else _latent_attention
+        h = h + attend(_rms_norm(h, weights[p + "attention_norm.weight"], arch.norm_eps), weights,
+                       p + "attention.", arch)
         x = _rms_norm(h, weights[p + "ffn_norm.weight"], arch.norm_eps)
-        if arch.moe is not None:
+        if arch.moe is not None and i >= arch.dense_layers:
             out, counts = _moe(x, weights, p + "moe.", arch.moe, weights.get(p + BIAS))
             h = h + out
             if expert_counts is not None:
@@ -243,22 +406,46 @@ def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Arc
 
 
 # ----------------------------------------------------------------------------- training
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_factor: float) -> float:
-    """The learning rate of 0-based step ``step`` over ``optimizer.lr``, in closed form.
+@dataclass
+class ReferenceTrace:
+    """What :func:`train` also records when given one (filled in place), for per-tensor parity checks."""
 
-    Warmup: ``(step + 1) / (warmup_steps + 1)``; then cosine decay from 1 to ``min_lr_factor``
-    over the ``total_steps - warmup_steps`` remaining steps, flat at ``min_lr_factor`` after.
+    grad_norms: dict[str, float] = field(default_factory=dict)
+    """Each parameter's gradient norm at the first step, before clipping, by name."""
+    tokens_per_expert: list[list[list[int]]] = field(default_factory=list)
+    """Per step, per MoE layer: the tokens (token, choice pairs) each expert got from the global batch."""
+    expert_bias: list[dict[str, list[float]]] = field(default_factory=list)
+    """Per step: every MoE layer's expert bias after that step's update, by name."""
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_factor: float,
+              decay_ratio: float | None = None, decay_type: str = "linear") -> float:
+    """The learning rate of 0-based step ``step`` over ``optimizer.lr``, in closed form
+    (upstream's warmup-stable-decay, restated).
+
+    With ``W = min(warmup_steps, total_steps)`` and ``D`` the decay's length (``round(total *
+    decay_ratio)`` capped at ``total - W``, or ``total - W``): steps ``0 .. W-1`` ramp as
+    ``(step + 1) / W``; the decay's ``D`` steps are the last ``D`` of ``total + 1`` (one virtual
+    step past the end), each at progress ``(step + 1 - (total + 1 - D)) / D``, between them
+    the factor is 1.
     """
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_factor + (1.0 - min_lr_factor) * (1.0 + math.cos(math.pi * progress)) / 2.0
+    w = min(warmup_steps, total_steps)
+    d = total_steps - w if decay_ratio is None else min(round(total_steps * decay_ratio), total_steps - w)
+    if step < w:
+        return (step + 1) / w
+    decay_begins = total_steps + 1 - d  # the first 0-based step of the decay
+    if step < decay_begins:
+        return 1.0
+    p = (step + 1 - decay_begins) / d
+    shape = {"linear": 1.0 - p, "sqrt": 1.0 - math.sqrt(p), "cosine": (1.0 + math.cos(math.pi * p)) / 2.0}
+    return min_lr_factor + (1.0 - min_lr_factor) * shape[decay_type]
 
 
 def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
           arch: Architecture, *, lr: float, eps: float, weight_decay: float, betas: tuple[float, float],
           warmup_steps: int, total_steps: int, min_lr_factor: float, max_norm: float,
-          dtype: torch.dtype = torch.float64) -> list[tuple[float, float]]:
+          dtype: torch.dtype = torch.float64, trace: ReferenceTrace | None = None,
+          decay_ratio: float | None = None, decay_type: str = "linear") -> list[tuple[float, float]]:
     """Train a copy of ``weights`` on ``batches``; per step ``(mean loss, gradient norm before clipping)``.
 
     ``torch.optim.AdamW`` (the single-tensor implementation) over every tensor, the
@@ -266,7 +453,8 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
     ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. The MoE expert biases are
     state, not parameters: after each optimizer step, each moves by
     ``coeff * sign(mean(counts) - counts)`` minus that step's mean, from the tokens per
-    expert of the whole global batch.
+    expert of the whole global batch. ``trace``: also record the first step's per-parameter
+    gradient norms and each step's tokens per expert and expert biases there.
     """
     params = {name: t.detach().to(dtype=dtype, device="cpu").clone().requires_grad_(not name.endswith(BIAS))
               for name, t in weights.items()}
@@ -276,13 +464,16 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
     for step, (tokens, labels) in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = lr * lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps,
-                                         min_lr_factor=min_lr_factor)
+                                         min_lr_factor=min_lr_factor, decay_ratio=decay_ratio,
+                                         decay_type=decay_type)
         counts: list[torch.Tensor] = []
         logits = forward(params, tokens, arch, counts)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
         grads = [p.grad for p in params.values() if p.grad is not None]
         norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        if trace is not None and step == 0:
+            trace.grad_norms = {name: float(p.grad.norm()) for name, p in params.items() if p.grad is not None}
         if max_norm > 0:
             scale = min(1.0, max_norm / (float(norm) + 1e-6))
             for g in grads:
@@ -290,11 +481,16 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
         opt.step()
         opt.zero_grad(set_to_none=True)
         if arch.moe is not None and arch.moe.load_balance_coeff is not None:
-            for i, count in enumerate(counts):
+            moe_layers = sorted(int(n.split(".")[1]) for n in params if n.endswith(BIAS))
+            for i, count in zip(moe_layers, counts, strict=True):
                 c = count.to(dtype)
                 step_e = arch.moe.load_balance_coeff * torch.sign(c.mean() - c)
                 with torch.no_grad():
                     params[f"layers.{i}.{BIAS}"] += step_e - step_e.mean()
+        if trace is not None and arch.moe is not None:
+            trace.tokens_per_expert.append([[int(c) for c in count] for count in counts])
+            trace.expert_bias.append({name: [float(v) for v in t] for name, t in params.items()
+                                      if name.endswith(BIAS)})
         records.append((float(loss.detach()), float(norm)))
     return records
 
@@ -325,12 +521,22 @@ def checkpoint_weights(path: str, like: Mapping[str, torch.Tensor]) -> dict[str,
 
     import torch.distributed.checkpoint as dcp
 
+    # not numerics: the reader that runs none of the checkpoint author's code
+    from torchtitan_spmd.checkpoint.safe_metadata import (
+        RefusedCheckpointData,
+        RestrictedLoadPlanner,
+        RestrictedReader,
+    )
+
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ValueError(f"reference: checkpoint.initial_load_path={path!r} is not a DCP checkpoint "
                          "(no .metadata file in it).")
     state = {name: torch.empty_like(t) for name, t in like.items()}
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        RestrictedReader(path).read_metadata()  # a refusal here, before DCP's own read (which retries)
+        dcp.load(state, storage_reader=RestrictedReader(path), planner=RestrictedLoadPlanner(), no_dist=True)
+    except RefusedCheckpointData as err:
+        raise ValueError(f"reference: checkpoint.initial_load_path={path!r}: {err}") from None
     except Exception as err:  # DCP wraps a missing key or a bad shape in its own CheckpointException
         raise ValueError(f"reference: could not read the model from checkpoint.initial_load_path={path!r}: "
                          f"{err}") from err
@@ -340,7 +546,7 @@ def checkpoint_weights(path: str, like: Mapping[str, torch.Tensor]) -> dict[str,
 def global_batches(job_config: JobConfig, global_batch: int, seed: int,
                    tokenizer: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``training.steps`` global batches of ``global_batch`` sequences, from the single-process loader
-    (``training.dataset``, tokenised with ``tokenizer`` for a file dataset).
+    (``dataloader.dataset``, tokenised with ``tokenizer`` for a file dataset).
 
     Each must be a next-token pair (``labels[:, :-1] == inputs[:, 1:]``).
     """
@@ -348,7 +554,7 @@ def global_batches(job_config: JobConfig, global_batch: int, seed: int,
 
     training = job_config.training
     loader = build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=global_batch, seq_len=training.seq_len,
-                              seed=seed, dataset=training.dataset, dataset_path=training.dataset_path,
+                              seed=seed, dataset=job_config.dataloader.dataset, dataset_path=job_config.dataloader.dataset_path,
                               tokenizer=tokenizer)
     batches = [next(loader) for _ in range(training.steps)]
     for step, (tokens, labels) in enumerate(batches, 1):
@@ -372,14 +578,36 @@ def architecture(job_config: JobConfig, model_config: Any) -> Architecture:
         moe = MoEArchitecture(num_experts=int(c.num_experts), top_k=int(c.top_k), score_func=c.score_func,
                               route_norm=bool(c.route_norm), route_scale=float(c.route_scale),
                               load_balance_coeff=None if coeff is None else float(coeff),
-                              force_load_balance=bool(job_config.debug.moe_force_load_balance))
+                              force_load_balance=bool(job_config.debug.moe_force_load_balance),
+                              n_group=int(getattr(c, "n_group", 1)), topk_group=int(getattr(c, "topk_group", 1)),
+                              shared_experts=int(getattr(c, "n_shared_experts", 0)) > 0)
+    mla = None
+    if name == "deepseek_v3":
+        s = c.rope_scaling  # read as numbers; DeepSeek's YaRN has mscale == mscale_all_dim (cos/sin unscaled)
+        if s.kind not in ("none", "yarn") or (s.kind == "yarn" and (s.mscale != s.mscale_all_dim or s.attention_factor)):
+            raise ValueError(f"reference: deepseek_v3 restates YaRN with mscale == mscale_all_dim only, got {s!r}.")
+        yarn = ((float(s.factor), int(s.original_max_position_embeddings), float(s.beta_fast), float(s.beta_slow),
+                 float(s.mscale_all_dim or 0.0)) if s.kind == "yarn" else None)
+        mla = MLAArchitecture(kv_lora_rank=int(c.kv_lora_rank), qk_nope_head_dim=int(c.qk_nope_head_dim),
+                              qk_rope_head_dim=int(c.qk_rope_head_dim), v_head_dim=int(c.v_head_dim), yarn=yarn)
     return Architecture(rope=rope, qk_norm=qk_norm, head_dim=int(c.head_dim), norm_eps=float(c.norm_eps),
-                        rope_theta=float(c.rope_theta), moe=moe)
+                        rope_theta=float(c.rope_theta), moe=moe, mla=mla,
+                        dense_layers=int(getattr(c, "first_k_dense_replace", 0)),
+                        rope_scaling=() if mla is not None else _scaling_fields(c))
+
+
+def _scaling_fields(model_config: Any) -> tuple[tuple[str, Any], ...]:
+    """The model config's ``rope_scaling`` as plain ``(name, value)`` pairs (its numbers only)."""
+    scaling = getattr(model_config, "rope_scaling", None)
+    if scaling is None:
+        return ()
+    return tuple((f.name, getattr(scaling, f.name)) for f in dataclasses.fields(scaling))
 
 
 def run_reference(job_config: JobConfig, *, global_batch: int,
-                  dtype: torch.dtype = torch.float64) -> list[tuple[float, float]]:
-    """Per-step ``(loss, grad_norm)`` of ``job_config`` on one process, by this module's math.
+                  dtype: torch.dtype = torch.float64, trace: ReferenceTrace | None = None) -> list[tuple[float, float]]:
+    """Per-step ``(loss, grad_norm)`` of ``job_config`` on one process, by this module's math
+    (``trace``: see :func:`train`).
 
     ``global_batch``: sequences per step over all data-parallel ranks (``local_batch_size``
     times the data-parallel degree of the run it is compared with).
@@ -389,7 +617,7 @@ def run_reference(job_config: JobConfig, *, global_batch: int,
 
     cfg = job_config
     seed = cfg.debug.seed if cfg.debug.seed is not None else 0
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+    tokenizer = build_tokenizer(cfg.hf_assets_path)
     vocab = tokenizer.model_vocab_size
     model_config = get_model_spec(cfg.model.name).model_config(cfg.model.flavor, vocab_size=vocab)
     opt = cfg.optimizer
@@ -400,6 +628,9 @@ def run_reference(job_config: JobConfig, *, global_batch: int,
     return train(
         weights, global_batches(cfg, global_batch, seed, tokenizer),
         architecture(cfg, model_config), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=betas,
-        warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=cfg.training.steps,
+        warmup_steps=cfg.lr_scheduler.warmup_steps,
+        total_steps=cfg.lr_scheduler.total_steps if cfg.lr_scheduler.total_steps is not None else cfg.training.steps,
         min_lr_factor=cfg.lr_scheduler.min_lr_factor, max_norm=float(cfg.training.max_norm), dtype=dtype,
+        trace=trace,
+        decay_ratio=cfg.lr_scheduler.decay_ratio, decay_type=cfg.lr_scheduler.decay_type,
     )

@@ -13,7 +13,9 @@ per step::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import logging
 import math
@@ -22,33 +24,27 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.checkpoint import hf as hf_checkpoint
-from torchtitan_spmd.checkpoint.integrity import (
-    StoppedBySignal,
-    StopRequest,
-    signal_name,
-)
 from torchtitan_spmd.checkpoint.manager import CheckpointManager, find_checkpoints
 from torchtitan_spmd.config import (
     TORCH_DTYPE_MAP,
     ConfigManager,
     JobConfig,
-    OptimizerConfig,
     check_supported,
 )
 from torchtitan_spmd.config.manager import LIBRARY_FIRST
 from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_size
 from torchtitan_spmd.distributed import comm
+from torchtitan_spmd.distributed._mesh_compat import local_tensor_mode_active
 from torchtitan_spmd.distributed.apply_plan import apply_plan
 from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
@@ -58,12 +54,23 @@ from torchtitan_spmd.distributed.utils import (
     maybe_enable_amp,
     spmd_backend_scope,
 )
-from torchtitan_spmd.models import get_model_spec
+from torchtitan_spmd.dry_run import (
+    DryRunReport,
+    SetupPhases,
+    fake_world_size,
+    run_dry_run,
+    run_local_tensor,
+)
+from torchtitan_spmd.dry_run import dry_run as _dry_run_with
+from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
 from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
-from torchtitan_spmd.techniques.context_parallel import ContextParallel, apply_context_parallel
+from torchtitan_spmd.techniques.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    validate_context_parallel,
+)
 from torchtitan_spmd.techniques.expert_parallel import (
-    apply_expert_fsdp,
     apply_expert_parallel,
     expert_parallel_plan,
     validate_expert_parallel,
@@ -88,19 +95,31 @@ from torchtitan_spmd.techniques.moe import (
 from torchtitan_spmd.techniques.param_init import init_weights
 from torchtitan_spmd.techniques.pipeline_parallel import (
     PipelineParallel,
+    PipelineStages,
     StageBoundaries,
     states_of,
 )
-from torchtitan_spmd.tools.metrics import build_metrics_logger
+from torchtitan_spmd.tools.flops import flops_per_token, peak_flops
+from torchtitan_spmd.tools.lr_scheduler import build_lr_scheduler
+from torchtitan_spmd.tools.metrics import build_metrics_logger, check_metrics_extras
+from torchtitan_spmd.tools.optimizer import build_optimizer, grouping, validate_param_groups
+from torchtitan_spmd.tools.profiler import Profiler
+from torchtitan_spmd.tools.signals import StoppedBySignal, StopRequest, signal_name
 from torchtitan_spmd.tools.utils import GarbageCollection
+from torchtitan_spmd.validate import ValidationRecord, Validator, validate_validator
 
 if TYPE_CHECKING:
+    from torchtitan_spmd.data.tokenizer import Tokenizer
+    from torchtitan_spmd.distributed.plan import ShardingPlan
+    from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
+    from torchtitan_spmd.models import ModelSpec
     from torchtitan_spmd.models.state_dict_adapter import StateDictAdapter
 
 logger = logging.getLogger("torchtitan_spmd")
 
-__all__ = ["StepRecord", "Trainer", "build_lr_lambda", "build_optimizer", "gradient_accumulation_steps", "main",
-           "run_job"]
+__all__ = ["AgreedSetupError", "BuiltModel", "JobSetup", "NonFiniteStepError", "StepRecord", "Trainer",
+           "build_optimizer", "compose_model", "degrees_line", "dry_run", "gradient_accumulation_steps", "main",
+           "run_job", "validate_job"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,11 @@ class StepRecord:
     peak_memory_mib: float
     #: MoE models: the step's fewest and most tokens of any expert (all ranks, all blocks).
     expert_load: ExpertLoad | None = None
+    #: This rank's model TFLOP/s (upstream's FLOPs per token x tokens/s) and MFU (% of the peak).
+    tflops: float | None = None
+    mfu: float | None = None
+    #: Seconds this step waited for its batch (the data loader).
+    data_loading_s: float | None = None
 
     def log_line(self) -> str:
         """The per-step log line; scripts parse ``step: <n>`` and ``loss: <float>``.
@@ -124,37 +148,13 @@ class StepRecord:
             f"step: {self.step}  loss: {self.loss:.6f}  grad_norm: {self.grad_norm:.4f}  "
             f"lr: {self.lr:.2e}  tps: {self.tokens_per_s:.0f}  memory: {self.peak_memory_mib:.1f}MiB"
         )
+        if self.tflops is not None and self.mfu is not None:
+            line += f"  tflops: {self.tflops:.3f}  mfu: {self.mfu:.2f}%"
+        if self.data_loading_s is not None:
+            line += f"  data: {self.data_loading_s * 1e3:.1f}ms"
         if self.expert_load is not None:
             line += f"  tokens/expert: {self.expert_load.min}-{self.expert_load.max}"
         return line
-
-
-def build_lr_lambda(warmup_steps: int, total_steps: int, min_lr_factor: float):  # noqa: ANN201
-    """Linear warmup from 0 over ``warmup_steps``, then cosine decay to ``min_lr_factor``."""
-
-    def factor(step: int) -> float:
-        # ``step`` counts completed optimizer steps; the first step uses step=0.
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        decay_steps = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / decay_steps)
-        return min_lr_factor + (1 - min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters with ``optimizer.implementation`` (upstream's names).
-
-    ``"for-loop"``: one parameter at a time; ``"foreach"``: torch's multi-tensor kernels;
-    ``"fused"``: one fused kernel (CPU and CUDA). The state is float32 (the parameters'
-    dtype, whatever ``training.mixed_precision_param``).
-    """
-    impl = config.implementation
-    return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, eps=config.eps, weight_decay=config.weight_decay,
-        betas=(0.9, 0.95), foreach=impl == "foreach", fused=impl == "fused",
-    )
 
 
 def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
@@ -200,77 +200,263 @@ def _check_same_config(job_config: JobConfig) -> None:
         if theirs is None:
             continue
         for section, table in mine.items():
-            for key, value in table.items():
-                if theirs[section].get(key) != value:
-                    diffs.append(f"{section}.{key}: rank {dist.get_rank()} has {value!r}, rank {rank} has {theirs[section].get(key)!r}")
+            # a section's fields, or a root field (hf_assets_path) as itself
+            pairs = table.items() if isinstance(table, dict) else [(None, table)]
+            for key, value in pairs:
+                other = theirs[section].get(key) if key is not None else theirs[section]
+                if other != value:
+                    name = f"{section}.{key}" if key is not None else section
+                    diffs.append(f"{name}: rank {dist.get_rank()} has {value!r}, rank {rank} has {other!r}")
     if diffs:
         raise ValueError("ranks were started with different configs:\n  " + "\n  ".join(sorted(set(diffs))[:20]))
+
+
+class NonFiniteStepError(ValueError):
+    """A step's global loss or gradient norm is not finite: raised on every rank alike before
+    the optimizer steps, so neither the parameters nor a checkpoint hold the poisoned update."""
+
+    #: Read by :func:`run_job`: the same line is on every rank, so only rank 0 prints it.
+    agreed = True
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}: not finite, "
+                         f"so the optimizer did not take step {step} and no checkpoint of it was written")
+
+
+@dataclass
+class JobSetup:
+    """What :func:`validate_job` checked and derived from the config alone, the same on every
+    rank: no mesh is built and no model exists yet (:class:`ParallelDims` holds the degrees).
+    """
+
+    parallel_dims: ParallelDims
+    model_spec: ModelSpec
+    model_config: Any
+    tokenizer: Tokenizer
+    representation: TensorRepresentation
+    #: The sharding plan of the whole model (expert parallelism's restriction applied).
+    plan: ShardingPlan
+    #: The validated pipeline (None without pipeline parallelism).
+    stages: PipelineStages | None
+    gradient_accumulation_steps: int
+    seed: int
+
+
+def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
+    """Every check of ``job_config`` that can fail at setup, in one phase, before any mesh or
+    model is built: each raises ``ValueError``/``TypeError`` naming the field.
+
+    In order: every section's own checks (sections may be mutated after parsing), the fields
+    whose feature this runtime lacks, the metrics backends' packages, the degrees against the world size, the model family
+    and flavour (with the Hugging Face folder's ``config.json``), the tokenizer and its
+    vocabulary, the backend, context parallelism, expert parallelism, the family's own limits
+    (heads divisible by TP, ...), compile, the batch sizes, and pipeline parallelism against
+    the model's parts (:meth:`ModelSpec.part_names`).
+    """
+    job_config.validate()
+    check_supported(job_config)
+    check_metrics_extras(job_config.metrics)  # a missing tensorboard/wandb extra: agreed, printed once
+    par = job_config.parallelism
+    parallel_dims = ParallelDims.from_config(par, world_size, device_type=device_type)
+    model_spec = get_model_spec(job_config.model.name)
+    # hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
+    # is the tokenizer's (padded to a multiple of 64).
+    tokenizer = build_tokenizer(job_config.hf_assets_path)
+    model_config = hf_config.resolve_model_config(
+        model_spec, job_config, vocab_size=tokenizer.model_vocab_size,
+        # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
+        max_seq_len=job_config.training.seq_len)
+    check_vocab_size(model_config.vocab_size, tokenizer, model=f"{job_config.model.name}/{job_config.model.flavor}")
+    # The runtime of the backend exists (its meshes are resolved when first used, after build_mesh).
+    representation = get_representation(par.spmd_backend)(parallel_dims)
+    validate_context_parallel(job_config)  # a bad CP value is named whatever the torch
+    representation.validate(job_config)
+    validate_expert_parallel(model_config, job_config, parallel_dims)
+    model_spec.validate(model_config, job_config, parallel_dims)
+    if job_config.optimizer.param_groups:  # every pattern against the whole model's names
+        with torch.device("meta"):
+            validate_param_groups(job_config.optimizer, model_spec.build(model_config))
+    validate_compile(job_config, representation)
+    training = job_config.training
+    steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
+                                        parallel_dims.dp_replicate * parallel_dims.dp_shard)
+    plan = expert_parallel_plan(model_spec.sharding_plan(
+        model_config, sequence_parallel=par.enable_sequence_parallel,
+        loss_parallel=not par.disable_loss_parallel,
+    ), parallel_dims)
+    stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
+    validate_validator(job_config, stages)
+    return JobSetup(parallel_dims=parallel_dims, model_spec=model_spec, model_config=model_config,
+                    tokenizer=tokenizer, representation=representation, plan=plan, stages=stages,
+                    gradient_accumulation_steps=steps,
+                    seed=job_config.debug.seed if job_config.debug.seed is not None else 0)
+
+
+class AgreedSetupError(ValueError):
+    """A setup error every rank knows, with the ranks that had it: rank 0 alone prints it."""
+
+    #: Read by :func:`run_job`: the same text is on every rank, so only rank 0 prints it.
+    agreed = True
+
+
+def _agree_on_setup(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
+    """:func:`validate_job` on every rank, then every rank learns every rank's error (one
+    ``all_gather_object`` of the messages, under the set-up timeout): a config is validated alike
+    on every rank, but a file one node lacks (a tokenizer, a Hugging Face ``config.json``) fails
+    there only. Raises :class:`AgreedSetupError` on every rank when any rank failed: the
+    message, or each distinct message with the ranks that had it."""
+    setup: JobSetup | None = None
+    error: str | None = None
+    try:
+        setup = validate_job(job_config, world_size, device_type)
+    except (ValueError, TypeError) as err:
+        error = str(err)
+    if world_size > 1:
+        everyone: list[str | None] = [None] * world_size
+        dist.all_gather_object(everyone, error)
+    else:
+        everyone = [error]
+    failed: dict[str, list[int]] = {}
+    for rank, message in enumerate(everyone):
+        if message is not None:
+            failed.setdefault(message, []).append(rank)
+    if failed:
+        if len(failed) == 1 and len(next(iter(failed.values()))) == world_size:
+            raise AgreedSetupError(next(iter(failed)))
+        raise AgreedSetupError("\n".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}: {message}" for message, ranks in failed.items()))
+    assert setup is not None
+    return setup
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
+
+
+@dataclass
+class BuiltModel:
+    """What :meth:`Trainer.build_model` builds."""
+
+    #: This rank's model, sharded and initialised: the whole model, or under pipeline
+    #: parallelism the part that holds this rank's stages.
+    model: nn.Module
+    #: The FSDP roots: ``[model]``, or under pipeline parallelism this rank's stage modules.
+    parts: list[nn.Module]
+    #: This rank's pipeline stages and schedule (None without pipeline parallelism).
+    pipeline: PipelineParallel | None
+    #: The layout and global shape of every parameter and buffer (checkpoints' views).
+    state_layouts: dict[str, StateLayout]
+    #: Whether the MoE load is pooled over the pipeline stages (PP with MoE blocks).
+    moe_over_stages: bool
+
+
+def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: ModelSpec, model_config: Any,
+                  plan: ShardingPlan, parallel_dims: ParallelDims, context_parallel: ContextParallel | None,
+                  pipeline: PipelineParallel | None, *, seed: int, device_type: str,
+                  materialize: bool = True) -> BuiltModel:
+    """:meth:`Trainer.build_model`'s composition, on this rank's meshes (built).
+
+    ``materialize=False`` (the dry run, :mod:`torchtitan_spmd.dry_run`) stops before step 7: the
+    parameters stay on the meta device, sharded as a real run shards them, and nothing is allocated.
+    """
+    cfg = job_config
+    # DTensor's sharding caches key on mesh equality: an equal mesh of an earlier trainer in this
+    # process (a notebook, a fake-process-group setup before a fork) must not come back from them
+    # on this trainer's parameters, with process groups that no longer exist.
+    clear_dtensor_sharding_caches()
+    with torch.device("meta"):
+        model = model_spec.build(model_config)
+    set_force_load_balance(model, cfg.debug.moe_force_load_balance)
+    moe_over_stages = pipeline is not None and bool(moe_blocks(model))
+    if pipeline is not None:
+        model, plan = pipeline.split(model, plan)
+    apply_context_parallel(model, plan, context_parallel)
+    state_layouts = apply_plan(model, plan, rep)
+    apply_expert_parallel(model, rep, state_layouts)
+    apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_compile(model, cfg.compile, fullgraph=not parallel_dims.ep_enabled)
+    roots = pipeline.stage_modules(model) if pipeline is not None else [model]
+    apply_fsdp(model, plan, rep,
+               param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
+               reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
+               reshard_after_forward=False if pipeline is not None else None, roots=roots)
+    if materialize:
+        for root in roots:  # each FSDP root materialises its own parameters
+            init_weights(root, states_of(root, state_layouts), rep, seed=seed, device=device_type)
+    return BuiltModel(model=model, parts=list(roots), pipeline=pipeline, state_layouts=state_layouts,
+                      moe_over_stages=moe_over_stages)
 
 
 class Trainer:
     """Builds everything from a :class:`JobConfig` and trains; see :meth:`run`.
 
     Uses the default process group if one is initialised (tests, notebooks);
-    otherwise initialises it from the torchrun environment.
+    otherwise initialises it from the torchrun environment. Set-up is, in order:
+
+    1. the process group, and every rank started with the same config;
+    2. **validation**, one phase before any mesh or model (:func:`validate_job`);
+    3. the meshes (and their groups' set-up timeout);
+    4. the model and its parallelisms (:meth:`build_model`);
+    5. the optimizer, the learning-rate schedule, the loss and, under PP, the schedule;
+    6. the data, the metrics and the train contexts (type checking);
+    7. the checkpointer, and the checkpoint this run continues from.
     """
 
     def __init__(self, job_config: JobConfig) -> None:
-        job_config.validate()  # every section's checks again: sections may be mutated after parsing
-        check_supported(job_config)  # values of features the runtime does not implement yet
         self.job_config = job_config
         self.device_type = _device_type(job_config)
         self._owns_pg = False
         #: Set by :func:`run_job`: SIGTERM/SIGINT stop the run after the step (and save) in progress.
         self.stop_request: StopRequest | None = None
-        comm_cfg = job_config.comm
+        comm_cfg, training = job_config.comm, job_config.training
         #: Where the run is ("during setup", "in step 3") and the timeout in force, for failure reports.
         self.phase = "during setup"
         self.timeout_in_force = ("comm.init_timeout_seconds", comm_cfg.init_timeout_seconds)
+
+        # 1. the process group (the config's own checks first: a bad value is named before
+        # any process starts waiting for its peers; validate_job repeats them, as it stands alone)
+        job_config.validate()
+        check_supported(job_config)
         if not dist.is_initialized():
             comm.configure_flight_recorder(comm_cfg, job_config.job.dump_folder)
             comm.init_default_process_group("nccl" if self.device_type == "cuda" else "gloo",
                                             timedelta(seconds=comm_cfg.init_timeout_seconds))
             self._owns_pg = True
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # under LocalTensorMode (comm.mode="local_tensor") the rank is one symbolic value for every
+        # simulated rank: this process speaks for rank 0 (its log lines, its files)
+        self.rank = 0 if local_tensor_mode_active() else dist.get_rank()
+        self.world_size = dist.get_world_size()
         if self.device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % torch.cuda.device_count())
         if self.world_size > 1:
             _check_same_config(job_config)
 
-        par = job_config.parallelism
-        self.parallel_dims = ParallelDims.from_config(par, self.world_size, device_type=self.device_type)
-        self.model_spec = get_model_spec(job_config.model.name)
-        # model.hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
-        # is the tokenizer's (padded to a multiple of 64).
-        self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
-        self.model_config = hf_checkpoint.resolve_model_config(
-            self.model_spec, job_config, vocab_size=self.tokenizer.model_vocab_size,
-            # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
-            max_seq_len=job_config.training.seq_len)
-        check_vocab_size(self.model_config.vocab_size, self.tokenizer,
-                         model=f"{job_config.model.name}/{job_config.model.flavor}")
-        representation_cls = get_representation(par.spmd_backend)  # the runtime exists, before any mesh
+        # 2. validation: every setup error of the config, before any mesh or model
+        setup = _agree_on_setup(job_config, self.world_size, self.device_type)
+        self.parallel_dims, self.representation = setup.parallel_dims, setup.representation
+        self.model_spec, self.model_config, self.tokenizer = setup.model_spec, setup.model_config, setup.tokenizer
+        self.plan, self.seed = setup.plan, setup.seed
+        self.gradient_accumulation_steps = setup.gradient_accumulation_steps
+
+        # 3. the meshes; torch creates their groups with its default timeout (30 min): every
+        # group gets comm.init_timeout_seconds until the first step is done
         self.parallel_dims.build_mesh()
-        # torch creates the mesh groups with its default timeout (30 min): every group
-        # gets comm.init_timeout_seconds until the first step is done.
         comm.set_pg_timeouts(timedelta(seconds=comm_cfg.init_timeout_seconds), self.parallel_dims,
                              barrier=False)
         self._train_timeout_set = False
-        # The context-parallel fields first: a bad value is named whatever the torch.
         self.context_parallel = ContextParallel.from_config(job_config, self.parallel_dims)
-        self.representation = representation_cls(self.parallel_dims)
-        self.representation.validate(job_config)
-        validate_expert_parallel(self.model_config, job_config, self.parallel_dims)
-        self.model_spec.validate(self.model_config, job_config, self.parallel_dims)
-        validate_compile(job_config, self.representation)
-        training = job_config.training
-        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
-        dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
-        dp_degree = batch_mesh.size() if batch_mesh is not None else 1
-        self.gradient_accumulation_steps = gradient_accumulation_steps(
-            training.global_batch_size, training.local_batch_size, dp_degree)
-
-        self.seed = job_config.debug.seed if job_config.debug.seed is not None else 0
         torch.manual_seed(self.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -278,65 +464,101 @@ class Trainer:
             # (that fill only exposes reads of uninitialised memory, at the cost of a pass
             # over every torch.empty: 2% of a CPU step here).
             torch.utils.deterministic.fill_uninitialized_memory = False
-        self.plan = expert_parallel_plan(self.model_spec.sharding_plan(
-            self.model_config, sequence_parallel=par.enable_sequence_parallel,
-            loss_parallel=not par.disable_loss_parallel,
-        ), self.parallel_dims)
-        with spmd_backend_scope(par.spmd_backend):
-            self.model: nn.Module = self.build_model()
 
-        self.optimizer = build_optimizer(self.model, job_config.optimizer)
+        # 4. the model and its parallelisms
+        with spmd_backend_scope(job_config.parallelism.spmd_backend):
+            built = self.build_model(PipelineParallel.from_stages(setup.stages, self.parallel_dims))
+        self.model: nn.Module = built.model
+        self.model_parts, self.pipeline, self.state_layouts = built.parts, built.pipeline, built.state_layouts
+        self._moe_over_stages = built.moe_over_stages
+
+        # 5. the optimizer, the learning-rate schedule, the loss and the pipeline schedule
+        self.optimizer = build_optimizer(self.model, job_config.optimizer, whole_model=self.pipeline is None)
+        self.scheduler = build_lr_scheduler(self.optimizer, job_config.lr_scheduler, training.steps)
         self.loss_fn = maybe_compile_loss(cross_entropy_loss, job_config.compile)
         if self.pipeline is not None:  # the loss runs inside torch's schedule, on the last stage
-            checked = (get_train_context(enable_loss_parallel=False, parallel_dims=self.parallel_dims,
-                                         representation=self.representation, spmd_typechecking=True)
-                       if job_config.debug.spmd_typechecking and self.representation.supports_typechecking
-                       else None)  # type checking per stage (StageBoundaries)
-            self.pipeline.build_schedule(
-                self.model, self.device_type, self.loss_fn,
-                boundaries=StageBoundaries.from_plan(self.plan, self.representation, checked=checked),
-                representation=self.representation, logits_layout=self.plan.output_layout())
+            self._build_pipeline_schedule()
         self.amp = functools.partial(maybe_enable_amp, self.parallel_dims,
                                      training.mixed_precision_param, self.device_type)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            build_lr_lambda(job_config.lr_scheduler.warmup_steps, job_config.training.steps,
-                            job_config.lr_scheduler.min_lr_factor),
-        )
-        # Each step reads this rank's rows of the global batch at once; the step splits
-        # them into its microbatches of local_batch_size. The data depends only on the seed
-        # and the position (not on training.steps), and the global batch is rank-major, so
-        # every layout sees the same data.
-        rows = training.local_batch_size * self.gradient_accumulation_steps
-        self.dataloader = build_dataloader(
-            dp_rank=dp_rank, dp_degree=dp_degree,
-            local_batch_size=rows,
-            seq_len=training.seq_len, seed=self.seed,
-            dataset=training.dataset, dataset_path=training.dataset_path, tokenizer=self.tokenizer,
-        )
+
+        # 6. the data, the metrics and the train contexts
+        self.dataloader = self.build_dataloader()
         #: ``metrics.enable_tensorboard``: rank 0 writes the logged steps' scalars.
-        self.metrics = build_metrics_logger(job_config.metrics, job_config.job.dump_folder, writes=self.rank == 0)
-        train_context = functools.partial(
-            get_train_context,
-            enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
-            parallel_dims=self.parallel_dims, representation=self.representation,
-        )
-        self.train_context = train_context(spmd_typechecking=job_config.debug.spmd_typechecking)
-        #: Under pipeline parallelism the schedule runs unchecked; each stage checks itself.
-        self.schedule_context = train_context(spmd_typechecking=False)
-        #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).
-        self._typecheck_countdown: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
-        if job_config.debug.spmd_typechecking and job_config.debug.spmd_typechecking_steps is not None:
-            self._typecheck_countdown = (job_config.debug.spmd_typechecking_steps,
-                                         train_context(spmd_typechecking=False))
+        self.metrics = build_metrics_logger(job_config.metrics, job_config.job.dump_folder, rank=self.rank,
+                                            job_config=job_config.to_dict())
+        self._build_flops_counter()
+        self._build_train_contexts()
+        #: ``validator.enable``: the evaluation loop (:mod:`torchtitan_spmd.validate`).
+        self.validator = Validator(self) if job_config.validator.enable else None
+        self.validations: list[ValidationRecord] = []
+
+        # 7. the checkpointer, and the step this run continues after (0: from the start)
         self.checkpointer = self.build_checkpointer()
-        #: The step this run continues after (0: from the start); see CheckpointManager.load.
         self.start_step = 0
         if not job_config.checkpoint.create_seed_checkpoint:
             self.start_step = self.checkpointer.load(step=job_config.checkpoint.load_step)
         #: Python's automatic collector is off from here to :meth:`close` (``training.gc_freq``):
         #: last in set-up, so a set-up error leaves it as it was.
         self.gc_handler = GarbageCollection(training.gc_freq, debug=training.gc_debug)
+
+    def _build_flops_counter(self) -> None:
+        """Upstream's FLOPs per token of the whole model (built on the meta device) and the peak of
+        one device, for the step line's TFLOP/s and MFU; rank 0 logs the peak and its source."""
+        with torch.device("meta"), spmd_backend_scope(self.job_config.parallelism.spmd_backend):
+            whole = self.model_spec.build(self.model_config)
+        #: Training FLOPs per token (:func:`~torchtitan_spmd.tools.flops.flops_per_token`).
+        self.flops_per_token = flops_per_token(whole, self.model_config, self.job_config.training.seq_len)
+        self.peak_flops, source = peak_flops(self.device_type, self.job_config.metrics.cpu_peak_tflops)
+        if self.rank == 0:
+            logger.info(f"MFU: {self.flops_per_token:,} FLOPs per token, peak {self.peak_flops / 1e12:.3f} "
+                        f"TFLOP/s per rank ({source})")
+
+    def _build_pipeline_schedule(self) -> None:
+        """Torch's schedule over this rank's stages, with the loss on the last stage and, under
+        type checking, each stage's forward and the loss checked on their own (StageBoundaries)."""
+        assert self.pipeline is not None
+        cfg = self.job_config
+        checked = (get_train_context(enable_loss_parallel=False, parallel_dims=self.parallel_dims,
+                                     representation=self.representation, spmd_typechecking=True)
+                   if cfg.debug.spmd_typechecking and self.representation.supports_typechecking
+                   else None)
+        self.pipeline.build_schedule(
+            self.model, self.device_type, self.loss_fn,
+            boundaries=StageBoundaries.from_plan(self.plan, self.representation, checked=checked),
+            representation=self.representation, logits_layout=self.plan.output_layout())
+
+    def build_dataloader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches. Each step reads this rank's rows of the global batch at once; the
+        step splits them into its microbatches of ``local_batch_size``. The data depends only on
+        the seed and the position (not on ``training.steps``), and the global batch is
+        rank-major, so every layout sees the same data."""
+        training = self.job_config.training
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        return build_dataloader(
+            dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
+            dp_degree=batch_mesh.size() if batch_mesh is not None else 1,
+            local_batch_size=training.local_batch_size * self.gradient_accumulation_steps,
+            seq_len=training.seq_len, seed=self.seed,
+            dataset=self.job_config.dataloader.dataset, dataset_path=self.job_config.dataloader.dataset_path, tokenizer=self.tokenizer,
+        )
+
+    def _build_train_contexts(self) -> None:
+        """The contexts a step runs in: :attr:`train_context` (loss parallel, the backend's, type
+        checking when asked), :attr:`schedule_context` (PP's, unchecked: each stage checks
+        itself) and the ``debug.spmd_typechecking_steps`` countdown."""
+        cfg, par = self.job_config, self.job_config.parallelism
+        train_context = functools.partial(
+            get_train_context,
+            enable_loss_parallel=self.parallel_dims.tp_enabled and not par.disable_loss_parallel,
+            parallel_dims=self.parallel_dims, representation=self.representation,
+        )
+        self.train_context = train_context(spmd_typechecking=cfg.debug.spmd_typechecking)
+        self.schedule_context = train_context(spmd_typechecking=False)
+        #: ``debug.spmd_typechecking_steps``: (steps still to type-check, the unchecked context).
+        self._typecheck_countdown: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
+        if cfg.debug.spmd_typechecking and cfg.debug.spmd_typechecking_steps is not None:
+            self._typecheck_countdown = (cfg.debug.spmd_typechecking_steps,
+                                         train_context(spmd_typechecking=False))
 
     def build_checkpointer(self) -> CheckpointManager:
         """The checkpoint technique over this trainer's state (``[checkpoint]``)."""
@@ -346,65 +568,51 @@ class Trainer:
             lr_scheduler=self.scheduler, dataloader=self.dataloader, representation=self.representation,
             state_layouts=self.state_layouts, device_type=self.device_type,
             timeout=timedelta(seconds=cfg.comm.init_timeout_seconds),
-            sd_adapter=self._sd_adapter(), hf_assets_path=hf_checkpoint.hf_folder(cfg),
+            sd_adapter=self._sd_adapter(), hf_assets_path=hf_config.hf_folder(cfg),
             other_stage_keys=self.pipeline.other_stage_keys if self.pipeline is not None else frozenset(),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
-                    "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp}},
+                    "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp},
+                    **({"optimizer_groups": self._optimizer_grouping()} if cfg.checkpoint.enable else {})},
         )
+
+    def _optimizer_grouping(self) -> dict[str, str]:
+        """Every parameter's optimizer class and param-group pattern, over every rank (a pipeline
+        stage holds only its part), for the checkpoints' record: a resume with another grouping
+        is one line (:func:`~torchtitan_spmd.tools.optimizer.check_same_grouping`)."""
+        mine = grouping(self.model, self.optimizer)
+        if self.pipeline is None or self.world_size == 1:
+            return mine
+        everyone: list[dict[str, str] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return {k: v for theirs in everyone for k, v in (theirs or {}).items()}
 
     def _sd_adapter(self) -> StateDictAdapter | None:
         """The family's Hugging Face state-dict adapter for this model config (None: the family has none)."""
         adapter_cls = self.model_spec.state_dict_adapter
-        return adapter_cls(self.model_config, hf_checkpoint.hf_folder(self.job_config)) if adapter_cls else None
+        return adapter_cls(self.model_config, hf_config.hf_folder(self.job_config)) if adapter_cls else None
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, pipeline: PipelineParallel | None) -> BuiltModel:
         """Build the model on the meta device, then compose the techniques, in this order.
 
-        1. context parallelism's attention body (before the plan, so that the plan's
+        1. under pipeline parallelism, this rank's part of the model (its stages) and the plan
+           restricted to it: the part goes through the same steps as a whole model;
+        2. context parallelism's attention body (before the plan, so that the plan's
            local region wraps it), then the sharding plan: tensor, sequence, context
            and loss parallelism as it declares;
-        2. activation checkpointing of every block (``activation_checkpoint.mode``);
-        3. ``torch.compile`` of every block (``compile.enable``, ``"model"``);
-        4. FSDP2 on what the representation shards, with the mixed-precision policy;
-        5. materialise on the device and initialise, each rank its shards of the
+        3. expert parallelism: the experts sharded over ``ep``, their token exchange;
+        4. activation checkpointing of every block (``activation_checkpoint.mode``);
+        5. ``torch.compile`` of every block (``compile.enable``, ``"model"``);
+        6. FSDP2, one call: the experts over ``efsdp``, then what the representation shards,
+           with the mixed-precision policy;
+        7. materialise on the device and initialise, each rank its shards of the
            full, seeded weights (the same whatever the layout).
 
-        Under pipeline parallelism the model is first split and this rank's stage (its part
-        of the model, the plan restricted to it) goes through the same steps.
+        Returns what it built (:class:`BuiltModel`); it sets nothing on the trainer
+        (:func:`compose_model` does the work, which the dry run shares).
         """
-        rep, cfg = self.representation, self.job_config
-        # DTensor's sharding caches key on mesh equality: an equal mesh of an earlier trainer in this
-        # process (a notebook, a fake-process-group setup before a fork) must not come back from them
-        # on this trainer's parameters, with process groups that no longer exist.
-        clear_dtensor_sharding_caches()
-        with torch.device("meta"):
-            model = self.model_spec.build(self.model_config)
-        set_force_load_balance(model, cfg.debug.moe_force_load_balance)
-        plan = self.plan
-        #: This rank's pipeline stage and schedule (None without pipeline parallelism).
-        self.pipeline = PipelineParallel.from_config(cfg, self.parallel_dims, model)
-        #: Whether the MoE load is pooled over the stages (PP with MoE blocks, some maybe on other stages).
-        self._moe_over_stages = self.pipeline is not None and bool(moe_blocks(model))
-        if self.pipeline is not None:
-            model, plan = self.pipeline.split(model, plan)
-        apply_context_parallel(model, plan, self.context_parallel)
-        self.state_layouts = apply_plan(model, plan, rep)
-        apply_expert_parallel(model, rep, self.state_layouts)
-        apply_ac(model, cfg.activation_checkpoint)
-        if cfg.compile.enable and "model" in cfg.compile.components:
-            apply_compile(model, cfg.compile, fullgraph=not self.parallel_dims.ep_enabled)
-        roots = self.pipeline.stage_modules(model) if self.pipeline is not None else [model]
-        param_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_param]
-        reduce_dtype = TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce]
-        reshard = False if self.pipeline is not None else None
-        # EP: the experts over efsdp first, then the blocks over fsdp
-        apply_expert_fsdp(model, rep, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
-                          reshard_after_forward=reshard)
-        apply_fsdp(model, plan, rep, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
-                   reshard_after_forward=reshard, roots=roots)
-        for root in roots:  # each FSDP root materialises its own parameters
-            init_weights(root, states_of(root, self.state_layouts), rep, seed=self.seed, device=self.device_type)
-        return model
+        return compose_model(self.job_config, self.representation, self.model_spec, self.model_config,
+                             self.plan, self.parallel_dims, self.context_parallel, pipeline,
+                             seed=self.seed, device_type=self.device_type)
 
     def step(self, step: int) -> StepRecord:
         """Run optimizer step number ``step`` (1-based).
@@ -417,13 +625,10 @@ class Trainer:
         self._count_typechecked_step(step)
         start = time.perf_counter()
         tokens, labels = next(self.dataloader)
+        data_loading_s = time.perf_counter() - start
         tokens, labels = tokens.to(self.device_type), labels.to(self.device_type)
         rep, n = self.representation, self.gradient_accumulation_steps
-        positions: list[torch.Tensor | None] = [None] * n
-        if self.context_parallel is not None:  # this rank's slice of every sequence, and its positions
-            tokens, labels, cp_positions = self.context_parallel.shard_batch(tokens, labels)
-            positions = [prepare_positions(p, rep) for p in cp_positions.chunk(n)]
-        micro = [prepare_inputs(t, y, rep) for t, y in zip(tokens.chunk(n), labels.chunk(n), strict=True)]
+        micro, positions = self.prepare_batch(tokens, labels, n)
         with self.train_context():
             token_count = global_token_count([y for _, y in micro], rep)
         losses = []
@@ -445,20 +650,40 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep,
                                     stage_group=pp_group)
         lr = self.scheduler.get_last_lr()[0]
+        loss = sum(losses[1:], losses[0])
+        loss_value = (global_loss_value(loss, rep) if self.pipeline is None
+                      else self.pipeline.global_loss(loss, rep.sum_over_batch))
+        # upstream HEAD (#3863, #4226): a non-finite step never reaches the optimizer; the loss
+        # and the norm are global, the same on every rank, so every rank stops here alike
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise NonFiniteStepError(step, loss_value, grad_norm)
         self.optimizer.step()
         # MoE load balancing (no-op for dense models); under PP the logged load is every stage's
         expert_load = update_expert_bias(self.model, rep, stage_group=pp_group if self._moe_over_stages else None)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = sum(losses[1:], losses[0])
-        loss_value = (global_loss_value(loss, rep) if self.pipeline is None
-                      else self.pipeline.global_loss(loss, rep.sum_over_batch))
         elapsed = time.perf_counter() - start
+        tps = tokens.numel() / elapsed if elapsed > 0 else float("inf")
         return StepRecord(
-            step=step, loss=loss_value, grad_norm=grad_norm, lr=lr,
-            tokens_per_s=tokens.numel() / elapsed if elapsed > 0 else float("inf"),
+            step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens_per_s=tps,
             peak_memory_mib=_peak_memory_mib(self.device_type), expert_load=expert_load,
+            tflops=self.flops_per_token * tps / 1e12, mfu=100 * self.flops_per_token * tps / self.peak_flops,
+            data_loading_s=data_loading_s,
         )
+
+    def prepare_batch(self, tokens: torch.Tensor, labels: torch.Tensor, n: int = 1
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None]]:
+        """This rank's rows of a batch (on the device) as the model takes them, in ``n`` microbatches:
+        under context parallelism this rank's slice of every sequence and its RoPE positions
+        (None without CP), then each microbatch's tokens and labels in the backend's form.
+        The training step and the validator both go through here."""
+        rep = self.representation
+        positions: list[torch.Tensor | None] = [None] * n
+        if self.context_parallel is not None:  # this rank's slice of every sequence, and its positions
+            tokens, labels, cp_positions = self.context_parallel.shard_batch(tokens, labels)
+            positions = [prepare_positions(p, rep) for p in cp_positions.chunk(n)]
+        micro = [prepare_inputs(t, y, rep) for t, y in zip(tokens.chunk(n), labels.chunk(n), strict=True)]
+        return micro, positions
 
     def _count_typechecked_step(self, step: int) -> None:
         """``debug.spmd_typechecking_steps=N``: the first N steps this trainer runs are type-checked;
@@ -491,18 +716,31 @@ class Trainer:
         log_freq = self.job_config.metrics.log_freq
         steps = self.job_config.training.steps
         self._stop_if_signalled(self.start_step)  # a signal during set-up (a long load)
-        for step in range(self.start_step + 1, steps + 1):
-            self.phase = f"in step {step}"
-            self.gc_handler.run(step)
-            record = self.step(step)
-            records.append(record)
-            if not self._train_timeout_set:
-                self.use_train_timeout()
-            if self.rank == 0 and (step % log_freq == 0 or step == steps):
-                logger.info(record.log_line())
-                self.metrics.log(record)
-            self.checkpointer.save(step, last_step=step == steps)
-            self._stop_if_signalled(step)
+        #: ``[profiler]``: torch.profiler's windows and memory snapshots around the loop.
+        self.profiler = Profiler(self.job_config.profiler, self.job_config.job.dump_folder, self.rank,
+                                 self.device_type, start_step=self.start_step)
+        with self.profiler:
+            for step in range(self.start_step + 1, steps + 1):
+                self.phase = f"in step {step}"
+                self.gc_handler.run(step)
+                record = self.step(step)
+                self.profiler.step()
+                records.append(record)
+                if not self._train_timeout_set:
+                    self.use_train_timeout()
+                if step % log_freq == 0 or step == steps:
+                    if self.rank == 0:
+                        logger.info(record.log_line())
+                    self.metrics.log(record)  # rank 0's, or every rank's (metrics.save_for_all_ranks)
+                if self.validator is not None and self.validator.should_validate(step):
+                    self.phase = f"validating after step {step}"
+                    validation = self.validator.validate(step)
+                    self.validations.append(validation)
+                    if self.rank == 0:
+                        logger.info(validation.log_line())
+                    self.metrics.log_validation(validation)
+                self.checkpointer.save(step, last_step=step == steps)
+                self._stop_if_signalled(step)
         self.checkpointer.wait()
         return records
 
@@ -577,23 +815,83 @@ def _report_comm_failure(err: BaseException, trainer: Trainer | None, job_config
     comm.dump_flight_recorder(job_config.comm, job_config.job.dump_folder, rank)
 
 
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    """With ``quiet``, this block's standard output, standard error and warnings are dropped."""
+    if not quiet:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+#: How long a rank other than 0 waits before exiting after an error that rank 0 prints: torchrun
+#: stops the other ranks when the first one exits, and rank 0 must have printed by then.
+_PRINT_GRACE_S = 2.0
+
+
+def _after_agreed_error() -> int:
+    """Exit status 2 of an error every rank has and rank 0 prints: the other ranks wait for rank 0
+    (a barrier when the process group is up, else :data:`_PRINT_GRACE_S`) so that torchrun, which
+    stops the rest when one rank exits, cannot stop rank 0 before its line is out."""
+    if dist.is_initialized():  # every rank meets rank 0 after its print
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing left to wait for
+            pass
+    elif _rank() != 0:
+        time.sleep(_PRINT_GRACE_S)
+    return 2
+
+
+def degrees_line(parallel_dims: ParallelDims) -> str:
+    """Every parallel degree, for the start-up line: ``dp_replicate=1 dp_shard=2 cp=1 tp=2 pp=1 ep=1``."""
+    pd = parallel_dims
+    return (f"dp_replicate={pd.dp_replicate} dp_shard={pd.dp_shard} cp={pd.cp} tp={pd.tp} pp={pd.pp} "
+            f"ep={pd.ep}")
+
+
+def _rank() -> int:
+    """This process's global rank: the process group's, else torchrun's ``RANK`` (0 alone)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun).
 
-    Exit status: 0 done; 1 a collective timed out or lost a peer (one line per rank
-    says which, see :func:`~torchtitan_spmd.distributed.comm.describe_comm_failure`);
-    2 a bad config or environment (one ``error:`` line), a checkpoint that does not verify
-    or load, or a save that failed (disk full, I/O error, no permission); ``128 + N`` stopped
-    by signal N (SIGTERM 143, SIGINT 130) after the step and save in progress (a ``stopped:`` line).
+    Exit status of each process: 0 done; 1 a collective timed out or lost a peer (one line per
+    rank says which, see :func:`~torchtitan_spmd.distributed.comm.describe_comm_failure`);
+    2 a bad config or environment (one ``error:`` line, printed by rank 0 alone when every rank
+    has it), a checkpoint that does not verify or load, or a save that failed (disk full, I/O
+    error, no permission); ``128 + N`` stopped by signal N (SIGTERM 143, SIGINT 130) after the
+    step and save in progress (a ``stopped:`` line). These are what a single process returns
+    (``python -m torchtitan_spmd.train``). Under torchrun the shell sees torchrun's status: 0 when
+    every rank returned 0, else 1 (torchrun then prints its own ``ChildFailedError`` summary naming
+    each failed rank and its exit code: 2, 143, ...).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
+    # Every rank parses the same command line: rank 0 alone shows what the parser prints
+    # (tyro's error box, --help) and the deprecation warnings of legacy spellings.
+    quiet = _rank() != 0
     try:
-        job_config = ConfigManager(module_packages=LIBRARY_FIRST).parse_args(list(argv) if argv is not None else None)
+        with _silenced(quiet):
+            job_config = ConfigManager(module_packages=LIBRARY_FIRST).parse_args(
+                list(argv) if argv is not None else None)
     except (ValueError, TypeError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if _rank() == 0:  # every rank parses the same command line: one copy of the error
+            print(f"error: {err}", file=sys.stderr)
+        return _after_agreed_error()
+    except SystemExit as exit_:  # tyro's own error box or --help, shown by rank 0 alone
+        if exit_.code not in (0, None):
+            _after_agreed_error()
+        raise
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     if not threads.isdigit() or int(threads) < 1:
         print(f"error: environment variable OMP_NUM_THREADS={threads!r} must be an integer >= 1.",
@@ -609,6 +907,8 @@ def run_job(job_config: JobConfig) -> int:
     SIGTERM and SIGINT stop the run after the step, and the save, in progress: status
     ``128 + signal`` and one ``stopped:`` line (a second signal ends the process at once).
     """
+    if job_config.comm.mode in ("fake_backend", "local_tensor"):
+        return _dry_run(job_config)
     trainer = None
     comm_failed = False
     stop = StopRequest().install()
@@ -621,17 +921,19 @@ def run_job(job_config: JobConfig) -> int:
             logger.info(
                 f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
                 f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
-                f"degrees dp_replicate={trainer.parallel_dims.dp_replicate} dp_shard={trainer.parallel_dims.dp_shard} "
-                f"tp={trainer.parallel_dims.tp}"
-                + (f" pp={trainer.parallel_dims.pp}" if trainer.parallel_dims.pp > 1 else "")
+                f"degrees {degrees_line(trainer.parallel_dims)}"
             )
             _write_outputs(job_config)
         records = trainer.run()
         if trainer.rank == 0 and records:
             logger.info(f"done: loss {records[0].loss:.4f} -> {records[-1].loss:.4f} in {len(records)} steps")
     except (ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if not getattr(err, "agreed", False):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if _rank() == 0:  # agreed: the same line on every rank, printed once
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return _after_agreed_error()
     except StoppedBySignal as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         return stopped.exit_status
@@ -652,6 +954,43 @@ def run_job(job_config: JobConfig) -> int:
               file=sys.stderr)
         return 128 + stop.signum
     return 0
+
+
+def _dry_run(job_config: JobConfig) -> int:
+    """``comm.mode="fake_backend"``: the set-up for ``$NGPU`` fake ranks in this process and its
+    report (:mod:`torchtitan_spmd.dry_run`); 0, or 2 with the set-up error's one line.
+    ``"local_tensor"``: the job trained for ``$NGPU`` ranks simulated in this process
+    (:func:`~torchtitan_spmd.dry_run.run_local_tensor`; tensor parallelism alone, others a
+    one-line setup error naming why)."""
+    try:
+        world_size = fake_world_size(job_config.comm.mode)
+        if job_config.comm.mode == "local_tensor":
+            run_local_tensor(job_config, world_size, SETUP_PHASES)
+            return 0
+        run_dry_run(job_config, world_size, SETUP_PHASES)
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _train_all(job_config: JobConfig) -> list[StepRecord]:
+    """A whole run of ``job_config`` in this process (``comm.mode="local_tensor"``'s trainer)."""
+    trainer = Trainer(job_config)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+#: The set-up phases :mod:`torchtitan_spmd.dry_run` runs on fake ranks.
+SETUP_PHASES = SetupPhases(validate=validate_job, compose=compose_model, train=_train_all)
+
+
+def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
+    """``comm.mode="fake_backend"``'s set-up of ``job_config`` for ``world_size`` fake ranks in this
+    process, and its report (:func:`torchtitan_spmd.dry_run.dry_run` with this trainer's phases)."""
+    return _dry_run_with(job_config, world_size, SETUP_PHASES)
 
 
 def _exit(status: int) -> None:

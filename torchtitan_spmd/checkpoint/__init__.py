@@ -1,1 +1,4 @@
-"""Checkpointing: the DCP manager, its integrity checks and Hugging Face weights."""
+"""Checkpointing, above the models: :mod:`.manager` (DCP save, load and purge),
+:mod:`.integrity` (per-file checksums and the completion marker) and :mod:`.hf`
+(Hugging Face safetensors load and export). Importing the package imports none of them.
+"""

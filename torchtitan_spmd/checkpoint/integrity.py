@@ -1,4 +1,4 @@
-"""Checkpoints that cannot load wrong: per-file checksums, one-line errors, save faults and stop signals.
+"""Checkpoints that cannot load wrong: per-file checksums, one-line errors and save faults.
 
 Used by :mod:`torchtitan_spmd.checkpoint.manager`; nothing here knows the trainer's state.
 
@@ -16,10 +16,6 @@ Used by :mod:`torchtitan_spmd.checkpoint.manager`; nothing here knows the traine
   :func:`describe_load_failure` turns a DCP or torch exception into that ``<what>`` and
   ``<file>`` (:class:`NamingReader` names the shard file whose read failed).
   :class:`CheckpointSaveError` is a failed save: the folder, the errno and what was left.
-- **Stop signals.** :class:`StopRequest` turns SIGTERM and SIGINT into a request that the
-  ranks agree on after each step (one small all-reduce), so a save in progress completes
-  and is published, and the run stops with :class:`StoppedBySignal` (exit ``128 + signal``).
-  A second signal stops at once (the save, if any, is abandoned without a marker).
 """
 
 from __future__ import annotations
@@ -30,16 +26,15 @@ import errno as errno_module
 import hashlib
 import logging
 import os
-import signal
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+
+from .safe_metadata import RefusedCheckpointData, RestrictedReader
 
 __all__ = [
     "HASH_ALGORITHM",
@@ -47,8 +42,6 @@ __all__ = [
     "CheckpointSaveError",
     "NamingReader",
     "RecordingWriter",
-    "StopRequest",
-    "StoppedBySignal",
     "agree_on_errors",
     "describe_load_failure",
     "failed_rank",
@@ -202,8 +195,12 @@ class _FileReadError(Exception):
         self.file, self.what = file, what
 
 
-class NamingReader(FileSystemReader):
-    """DCP's file-system reader, reading one shard file at a time so that a failure names it."""
+class NamingReader(RestrictedReader):
+    """DCP's file-system reader, reading one shard file at a time so that a failure names it.
+
+    A :class:`~.safe_metadata.RestrictedReader`: ``.metadata`` is read without running
+    anything it names (``trust_folder=True``: with plain ``pickle``).
+    """
 
     def read_data(self, plan: Any, planner: Any) -> Any:  # noqa: D102 - FileSystemReader's
         per_file: dict[str, list[Any]] = {}
@@ -215,6 +212,8 @@ class NamingReader(FileSystemReader):
             try:
                 future = super().read_data(dataclasses.replace(plan, items=items), planner)
                 future.wait()
+            except RefusedCheckpointData as err:  # a non-tensor item naming a global it may not
+                raise err.in_file(relative) from None
             except Exception as err:  # noqa: BLE001 - torch's reader raises anything; name the file
                 raise _FileReadError(relative, _what(err)) from err
         return future
@@ -242,6 +241,8 @@ def _innermost(err: BaseException) -> BaseException:
 def describe_load_failure(err: BaseException, path: str) -> tuple[str, str]:
     """``(what, file)`` of a DCP or torch exception raised while loading the checkpoint ``path``."""
     inner = _innermost(err)
+    if isinstance(inner, RefusedCheckpointData):
+        return inner.what, os.path.join(path, inner.file) if inner.file else path
     if isinstance(inner, _FileReadError):
         return f"reading it failed: {inner.what}", os.path.join(path, inner.file)
     if isinstance(inner, OSError) and inner.filename:
@@ -335,75 +336,6 @@ def verify_checkpoint(path: str, record: Mapping[str, Any], rank: int, world_siz
     if everyone[0] is None:
         return None
     return sorted(p for problems in everyone for p in (problems or []))
-
-
-# ====================================================================================== signals
-class StoppedBySignal(Exception):  # noqa: N818 - it is not an error: the run was asked to stop
-    """The run stopped because of SIGTERM or SIGINT, after the step ``step`` (and its save)."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-    @property
-    def exit_status(self) -> int:
-        """``128 + signal number``, as a shell reports a process the signal ended."""
-        return 128 + self.signum
-
-
-class StopRequest:
-    """SIGTERM/SIGINT handlers that turn the first signal into a stop request.
-
-    :meth:`agreed` (called by every rank after each step) tells whether any rank got one.
-    The second signal restores the default handler and re-sends itself: the process ends at
-    once, and a save in progress is abandoned (no marker: the next start ignores it).
-    Install from the main thread; :meth:`uninstall` restores the previous handlers.
-    """
-
-    SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopRequest:
-        """Install the handlers (a no-op outside the main thread); returns ``self``."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        """Restore the handlers that were there before :meth:`install`."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.signum is not None:
-            logger.warning(f"{name} again: stopping now (a save in progress is abandoned, without its marker)")
-            self.uninstall()
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
-        logger.warning(f"{name} received: stopping after this step and the save in progress, if any "
-                       f"(send it again to stop at once)")
-
-    def agreed(self, world_size: int, device: str = "cpu") -> int | None:
-        """The signal any rank received (the largest number), the same on every rank; None: none."""
-        mine = self.signum or 0
-        if world_size > 1:
-            flag = torch.tensor([mine], dtype=torch.int64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            mine = int(flag.item())
-        return mine or None
-
-
-def signal_name(signum: int) -> str:
-    """``"SIGTERM"`` for 15."""
-    return signal.Signals(signum).name
 
 
 def newest_complete(names: Iterable[int]) -> str:

@@ -36,6 +36,13 @@ error, no permission, read-only folder) raises :class:`CheckpointSaveError` on e
 naming the folder and the errno, with the ``.partial`` folder removed and the previous
 checkpoint untouched.
 
+Trust (:mod:`.safe_metadata`, ``docs/checkpoint-trust.md``): loading a folder runs none of its
+author's code. Every load (resume, ``load_step``, ``initial_load_path``, seed, PP, EP) reads DCP's
+``.metadata`` with a restricted unpickler and the non-tensor items with
+``torch.load(weights_only=True)``; any other global stops the start in one line,
+``checkpoint step-N: .metadata refers to os.system, which a checkpoint may not load (<file>)``.
+``checkpoint.trust_checkpoint_folder`` reads as DCP does, with a warning naming the folder.
+
 Differences from torchtitan, each deliberate: a load finds "the latest *complete*
 checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is
 used when the run's folder holds no complete checkpoint (torchtitan: when the folder does
@@ -77,12 +84,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan_spmd.config.support import check_supported
+from torchtitan_spmd.distributed.apply_plan import plain_fqn
+from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
+from torchtitan_spmd.tools.optimizer import check_same_grouping, optimizers_of
 
-from ..distributed.apply_plan import plain_fqn
-from ..distributed.representation import StateLayout, TensorRepresentation
 from . import hf as hf_checkpoint
 from . import integrity
 from .integrity import CheckpointLoadError, CheckpointSaveError
+from .safe_metadata import RestrictedLoadPlanner
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CheckpointConfig
@@ -268,7 +277,8 @@ class _OptimizerState:
         # were the parameter itself (Adam's scalar step as a sharded tensor).
         params = {plain_fqn(name): p for name, p in self.model.named_parameters()}
         out = {}
-        for key, value in get_optimizer_state_dict(self.model, self.optimizer, options=self.options).items():
+        for key, value in get_optimizer_state_dict(self.model, optimizers_of(self.optimizer),
+                                                   options=self.options).items():
             where = _fqn_of_optimizer_key(key)
             if where is not None and where[0] not in params:
                 raise RuntimeError(f"checkpoint: optimizer state {key!r} names no parameter of the model "
@@ -279,7 +289,7 @@ class _OptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         plain = {k: self.views.originals.get(f"{OPTIMIZER}.{k}", v) for k, v in state.items()}
-        set_optimizer_state_dict(self.model, self.optimizer, plain, options=self.options)
+        set_optimizer_state_dict(self.model, optimizers_of(self.optimizer), plain, options=self.options)
 
 
 class _RngState:
@@ -320,6 +330,13 @@ class _TrainState:
 # ====================================================================================== manager
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _agreed(err: Exception) -> Exception:
+    """``err``, marked as the same on every rank (rank 0's decision, broadcast): the trainer
+    prints such an error once, on rank 0."""
+    err.agreed = True  # type: ignore[attr-defined]
+    return err
 
 
 class CheckpointManager:
@@ -591,7 +608,8 @@ class CheckpointManager:
             raise CheckpointLoadError(
                 f"step-{info.step}", f"holds only the model (the last save of a run with "
                 f"checkpoint.last_save_model_only=True), so training cannot resume from it: {hint}, "
-                "or save full last checkpoints with --checkpoint.no-last_save_model_only", info.path)
+                "or save full last checkpoints with --checkpoint.no-last_save_model_only; to start a new run "
+                f"from scratch instead, give another --job.dump_folder or remove {self.folder}", info.path)
         return info.path, info.step, info.model_only, incomplete, dict(info.record)
 
     def _fallbacks(self, chosen: str | None) -> list[tuple[int, str, dict[str, Any]]]:
@@ -709,11 +727,11 @@ class CheckpointManager:
             dist.broadcast_object_list(choice, src=0)
         status, value = choice[0]
         if status == "error":
-            raise ValueError(value)
+            raise _agreed(ValueError(value))
         chosen, fallbacks, damaged = value
         if damaged is not None:
             name, what, file = damaged
-            raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file)
+            raise _agreed(CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file))
         if chosen is None:
             return 0
         path, saved_step, model_only, ignored, record = chosen
@@ -726,8 +744,15 @@ class CheckpointManager:
             hf_checkpoint.load_hf(states, path, self.sd_adapter)
             return self._loaded(states, path, saved_step, model_only, ignored, begin)
         self._verify(path, record, fallbacks)
-        try:
-            metadata = integrity.NamingReader(path).read_metadata().state_dict_metadata
+        if OPTIMIZER in states and "optimizer_groups" in record:  # the param groups it was saved with
+            try:
+                check_same_grouping(record["optimizer_groups"], self.record.get("optimizer_groups", {}),
+                                    f"checkpoint {name}")
+            except ValueError as err:
+                raise ValueError(str(err)) from None
+        trust = self._trust(path)
+        try:  # every rank reads it (restricted: nothing it names runs) before DCP does
+            metadata = integrity.NamingReader(path, trust_folder=trust).read_metadata().state_dict_metadata
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
             raise CheckpointLoadError(name, integrity.describe_load_failure(err, path)[0],
                                       os.path.join(path, _DCP_METADATA)) from None
@@ -736,13 +761,24 @@ class CheckpointManager:
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
         self._check_against(path, metadata, states)
         try:
-            dcp.load(states, storage_reader=integrity.NamingReader(path), checkpoint_id=path)
+            dcp.load(states, storage_reader=integrity.NamingReader(path, trust_folder=trust), checkpoint_id=path,
+                     planner=RestrictedLoadPlanner(trust_folder=trust))
         except CheckpointException as err:  # raised on every rank alike: they can look for a good one together
             what, file = integrity.describe_load_failure(err, path)
             raise CheckpointLoadError(name, f"{what}; {self._newest_good(fallbacks)}", file) from None
         except Exception as err:  # noqa: BLE001 - one line naming the file
             raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
         return self._loaded(states, path, saved_step, model_only, ignored, begin)
+
+    def _trust(self, path: str) -> bool:
+        """``checkpoint.trust_checkpoint_folder``, with its warning naming the folder ``path``."""
+        if not self.config.trust_checkpoint_folder:
+            return False
+        if self.rank == 0:
+            logger.warning(f"checkpoint: checkpoint.trust_checkpoint_folder is set, so {path} is read with plain "
+                           "pickle (.metadata) and torch.load(weights_only=False) (its non-tensor items): any code "
+                           "its files name runs here. Load only a folder whose every writer you trust.")
+        return True
 
     def _loaded(self, states: dict[str, Any], path: str, saved_step: int, model_only: bool,
                 ignored: list[str], begin: float) -> int:

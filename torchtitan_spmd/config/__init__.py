@@ -17,6 +17,7 @@ from .configs import (
     CheckpointConfig,
     CommConfig,
     CompileConfig,
+    DataloaderConfig,
     DebugConfig,
     JobSection,
     LRSchedulerConfig,
@@ -24,8 +25,13 @@ from .configs import (
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
+    ParamGroupConfig,
+    ProfilerConfig,
     SpmdBackend,
+    SpmdBackendSpelling,
+    TokenizerConfig,
     TrainingConfig,
+    ValidatorConfig,
 )
 from .job_config import JobConfig, SpmdTypecheckingWarning
 from .manager import ConfigManager
@@ -55,6 +61,7 @@ __all__ = [
     "CommConfig",
     "CompileConfig",
     "ConfigManager",
+    "DataloaderConfig",
     "DebugConfig",
     "JobConfig",
     "JobSection",
@@ -63,8 +70,13 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ParamGroupConfig",
+    "ProfilerConfig",
     "SpmdBackend",
+    "SpmdBackendSpelling",
     "SpmdTypecheckingWarning",
+    "TokenizerConfig",
     "TrainingConfig",
+    "ValidatorConfig",
     "check_supported",
 ]

@@ -10,7 +10,8 @@ know about it by name, as plain data (no torch import), so every layer can read 
 - ``typechecking`` / ``context_parallel`` / ``pipeline_parallel``: whether
   ``debug.spmd_typechecking`` checks anything and whether it runs ``context_parallel_degree > 1``
   / ``pipeline_parallel_degree > 1``; the representation's ``supports_typechecking`` /
-  ``supports_context_parallel`` / ``supports_pipeline_parallel`` read them from here.
+  ``supports_context_parallel`` / ``supports_pipeline_parallel`` read them from here;
+  ``local_tensor``: whether ``comm.mode="local_tensor"`` simulates it (``supports_local_tensor``).
 
 :func:`resolve_backend` is the one check of a backend name (aliases, unknown names)
 that the config sections, the command line, ``ParallelDims`` and the runtime share.
@@ -62,6 +63,16 @@ class BackendMeshes:
     spmd_meshes: tuple[tuple[str, ...], ...]
     #: ``resolve_mesh`` raises unless its result is one of ``spmd_meshes()``.
     resolve_to_spmd_mesh_only: bool
+    #: The axes of ``spmd_dense_mesh()`` (upstream b5bcd76's forward/backward mesh), or None:
+    #: the backend has none (upstream's ``partial_dtensor``).
+    spmd_dense: tuple[str, ...] | None = None
+    #: The axes of ``spmd_sparse_mesh()`` when ``ep > 1`` (None otherwise), or None: never.
+    spmd_sparse: tuple[str, ...] | None = None
+    #: ``spmd_dense_mesh()`` / ``spmd_sparse_mesh()`` keep size-1 axes (upstream's, under
+    #: spmd_types); otherwise inactive axes are dropped, as in ``spmd_meshes()``.
+    spmd_fwdbwd_singletons: bool = False
+    #: Keys of ``upstream_global_meshes`` that exist only when ``ep > 1``.
+    upstream_ep_only: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,10 @@ class Backend:
 
     pipeline_parallel: bool = False
     """Whether it runs pipeline parallelism (``parallelism.pipeline_parallel_degree > 1``)."""
+
+    local_tensor: bool = False
+    """Whether ``comm.mode="local_tensor"`` simulates it (its numbers measured equal to the
+    multi-process run's; bench/local_tensor_bench.py)."""
 
 
 _BASE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -158,6 +173,7 @@ register_backend(Backend(
         resolve_to_spmd_mesh_only=False,
     ),
     pipeline_parallel=True,
+    local_tensor=True,
 ))
 register_backend(Backend(
     "full_dtensor", f"{_RUNTIME}.full_dtensor",
@@ -169,9 +185,12 @@ register_backend(Backend(
         unfold_dp=True,
         spmd_meshes=(("dp_replicate", "dp_shard", "cp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=True,
+        spmd_dense=("dp_replicate", "dp_shard", "cp", "tp"),  # this library's extension
+        spmd_sparse=_SPARSE_SPMD,
     ),
     context_parallel=True,
     pipeline_parallel=True,
+    local_tensor=True,
 ))
 register_backend(Backend(
     "spmd_types", f"{_RUNTIME}.spmd_types",
@@ -179,12 +198,17 @@ register_backend(Backend(
         global_meshes={"storage": _BASE, "dense": ("pp", "dp", "cp", "tp"), "sparse": _SPARSE, "data": _DATA,
                        "loss": _LOSS},
         upstream_global_meshes={"dataloading": _DATA, "loss": _LOSS, "dense": _BASE, "sparse": _SPARSE,
-                                "spmd_dense_for_fwdbwd": ("dp", "cp", "tp")},
+                                "spmd_dense_for_fwdbwd": ("dp", "cp", "tp"),
+                                "spmd_sparse_for_fwdbwd": _SPARSE_SPMD},
         always_active=frozenset({"dp_shard"}),
         in_band=frozenset({"dp", "cp", "tp", "ep"}),
         unfold_dp=False,
         spmd_meshes=(("dp", "cp", "tp"), _SPARSE_SPMD),
         resolve_to_spmd_mesh_only=False,
+        spmd_dense=("dp", "cp", "tp"),
+        spmd_sparse=_SPARSE_SPMD,
+        spmd_fwdbwd_singletons=True,
+        upstream_ep_only=frozenset({"spmd_sparse_for_fwdbwd"}),
     ),
     typechecking=True,
     context_parallel=True,

@@ -13,12 +13,17 @@ from typing import Any
 
 from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 
+# Lines marked "compat hook" call into compat/ for the legacy spellings.
+from torchtitan_spmd.compat import legacy as _legacy  # compat hook
+
+from ._section import check_value
 from .backends import backend, backend_names
 from .configs import (
     ActivationCheckpointConfig,
     CheckpointConfig,
     CommConfig,
     CompileConfig,
+    DataloaderConfig,
     DebugConfig,
     JobSection,
     LRSchedulerConfig,
@@ -26,7 +31,11 @@ from .configs import (
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
+    ProfilerConfig,
+    TokenizerConfig,
     TrainingConfig,
+    ValidatorConfig,
+    check_august_fields,
 )
 
 __all__ = ["JobConfig", "SpmdTypecheckingWarning"]
@@ -44,6 +53,8 @@ _SECTIONS: dict[str, type[Any]] = {
         OptimizerConfig,
         LRSchedulerConfig,
         TrainingConfig,
+        TokenizerConfig,
+        DataloaderConfig,
         ParallelismConfig,
         CheckpointConfig,
         ActivationCheckpointConfig,
@@ -51,13 +62,28 @@ _SECTIONS: dict[str, type[Any]] = {
         CommConfig,
         DebugConfig,
         MetricsConfig,
+        ValidatorConfig,
+        ProfilerConfig,
     )
 }
 
 
+#: The root's own fields (upstream's ``Trainer.Config`` fields that are not sections), with
+#: their types: a top-level key in a TOML file or ``from_dict``, ``--name`` on the command line.
+_ROOT_FIELDS: dict[str, Any] = {"hf_assets_path": str | None}
+
+
 @dataclass(kw_only=True)
 class JobConfig:
-    """The root configuration: one attribute per section."""
+    """The root configuration: one attribute per section, and upstream's root ``hf_assets_path``."""
+
+    hf_assets_path: str | None = None
+    """A Hugging Face assets folder (upstream's ``Trainer.Config.hf_assets_path``, a0c831c49; it was
+    ``model.hf_assets_path`` before, still accepted with a ``DeprecationWarning``): its
+    ``tokenizer.json`` (and ``tokenizer_config.json`` for BOS/EOS) is the tokenizer, through the
+    ``tokenizers`` package (``pip install -e ".[hf]"``), and its weights the Hugging Face
+    checkpoint of ``checkpoint.initial_load_in_hf``. None (this library's default; upstream's is
+    ``"./tests/assets/tokenizer"``, a path inside its repository): the built-in byte tokenizer."""
 
     job: JobSection = field(default_factory=JobSection)
     """``[job]``: legacy TOML source and output folder."""
@@ -73,6 +99,12 @@ class JobConfig:
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """``[training]``: the training loop."""
+
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """``[tokenizer]``: upstream's (field-less) tokenizer section; the tokenizer is ``hf_assets_path``'s."""
+
+    dataloader: DataloaderConfig = field(default_factory=DataloaderConfig)
+    """``[dataloader]``: the training data."""
 
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """``[parallelism]``: degrees and the SPMD backend."""
@@ -95,6 +127,12 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """``[metrics]``: logging."""
 
+    validator: ValidatorConfig = field(default_factory=ValidatorConfig)
+    """``[validator]``: evaluation during training."""
+
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """``[profiler]``: ``torch.profiler`` traces and memory snapshots."""
+
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
@@ -111,6 +149,11 @@ class JobConfig:
         """
         for name in _SECTIONS:
             getattr(self, name).check()
+        check_august_fields(self.parallelism)
+        _legacy.move_renamed_fields(self)  # compat hook: training.dataset* -> dataloader.*, model.hf_assets_path
+        for name, tp in _ROOT_FIELDS.items():
+            object.__setattr__(self, name, check_value(name, getattr(self, name), tp))
+        self.dataloader.check()
         if self.debug.spmd_typechecking:
             if not backend(self.parallelism.spmd_backend).typechecking:
                 checked = [name for name in backend_names() if backend(name).typechecking]
@@ -130,6 +173,11 @@ class JobConfig:
             )
 
     @classmethod
+    def root_fields(cls) -> tuple[str, ...]:
+        """The root's own (non-section) fields: upstream's ``Trainer.Config.hf_assets_path``."""
+        return tuple(_ROOT_FIELDS)
+
+    @classmethod
     def section_types(cls) -> dict[str, type[Any]]:
         """Map of section name to its dataclass."""
         return dict(_SECTIONS)
@@ -145,14 +193,20 @@ class JobConfig:
         sections: dict[str, Any] = {}
         for raw_name, table in data.items():
             name = str(raw_name).replace("-", "_")
+            if name in _ROOT_FIELDS:
+                sections[name] = check_value(name, table, _ROOT_FIELDS[name])
+                continue
             if name not in _SECTIONS:
                 raise ValueError(
                     f"unknown config section [{raw_name}]; valid sections are "
-                    f"{', '.join(_SECTIONS)}.{suggest(name, _SECTIONS)}"
+                    f"{', '.join(_SECTIONS)} (and the root field{'s' if len(_ROOT_FIELDS) > 1 else ''} "
+                    f"{', '.join(_ROOT_FIELDS)}).{suggest(name, [*_SECTIONS, *_ROOT_FIELDS])}"
                 )
             sections[name] = _SECTIONS[name].from_dict(table)
         return cls(**sections)
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """The whole config as nested plain dicts (None values kept)."""
-        return {name: getattr(self, name).to_dict() for name in _SECTIONS}
+    def to_dict(self) -> dict[str, Any]:
+        """The whole config as nested plain dicts (None values kept): each section's dict, and
+        the root fields' values."""
+        return {**{name: getattr(self, name) for name in _ROOT_FIELDS},
+                **{name: getattr(self, name).to_dict() for name in _SECTIONS}}

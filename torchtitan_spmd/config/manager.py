@@ -22,6 +22,7 @@ Python API (constructing sections) raises ``ValueError``/``TypeError``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.machinery
@@ -42,8 +43,9 @@ from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from ._section import invalid_choice
 from .backends import backend_names, resolve_backend
-from .configs import SpmdBackend
+from .configs import SpmdBackend, SpmdBackendSpelling, TrainingConfig
 from .job_config import JobConfig
+from .surface import get_surface
 
 if TYPE_CHECKING:
     from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
@@ -87,6 +89,34 @@ def _tyro() -> Any:
     return tyro
 
 
+def _release_token_partners(config: Any, args: Sequence[str]) -> Any:
+    """A copy of ``config`` whose batch/token pairs tyro can override one member at a time.
+
+    ``training.seq_len`` and ``max_context_length`` (and the other June/August pairs of
+    :class:`TrainingConfig`) are one setting each. tyro rebuilds a section from every field
+    of the default, so a member given on the command line would meet its old partner and
+    disagree: in the copy, each pair keeps only its source member (the one the config
+    function wrote) and, for a member given in ``args``, not its partner.
+    """
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return config
+    given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in args if a.startswith("--")}
+    copied = copy.deepcopy(config)
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if isinstance(obj, TrainingConfig):
+            names = {g[len(path) + 1:] for g in given if g.startswith(path + ".")} if path else set()
+            obj.release_for_overrides(names)
+            return
+        if depth > 4 or not dataclasses.is_dataclass(obj):
+            return
+        for f in dataclasses.fields(obj):
+            walk(getattr(obj, f.name, None), f"{path}.{f.name}" if path else f.name, depth + 1)
+
+    walk(copied, "", 0)
+    return copied
+
+
 def _comma_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] | None:
     """``list[str]`` takes one comma-separated value, as in torchtitan."""
     if info.type != list[str]:
@@ -102,21 +132,30 @@ def _comma_list_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] |
 
 def _spmd_backend_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec[Any] | None:
     """``spmd_backend`` accepts its aliases and names the closest choice when wrong."""
-    if info.type != SpmdBackend:
+    if info.type not in (SpmdBackend, SpmdBackendSpelling):
         return None
     choices = backend_names()  # the registry's, at parse time
+    spelled = tuple(dict.fromkeys([*get_surface().spellings.values(), *choices]))
 
     def from_str(args: list[str]) -> str:
         try:
-            return resolve_backend(args[0])
+            resolve_backend(args[0])
         except ValueError:
-            raise invalid_choice("", args[0], choices) from None
+            raise invalid_choice("", args[0], spelled) from None
+        return args[0]  # as written: the fork reads back its own spelling
+
+    def is_instance(value: Any) -> bool:
+        try:
+            resolve_backend(value)
+        except ValueError:
+            return False
+        return True
 
     return _tyro().constructors.PrimitiveConstructorSpec(
         nargs=1,
-        metavar="{" + ",".join(choices) + "}",
+        metavar="{" + ",".join(spelled) + "}",
         instance_from_str=from_str,
-        is_instance=lambda value: value in choices,
+        is_instance=is_instance,
         str_from_instance=lambda value: [value],
     )
 
@@ -275,6 +314,7 @@ class ConfigManager:
         ``config`` is any dataclass root; it is left unchanged. No ``--module`` is needed.
         """
         args = _legacy.translate_legacy_cli_args(list(args))  # compat hook
+        config = _release_token_partners(config, args)
         return _tyro().cli(type(config), args=args, default=config, registry=_custom_registry())
 
     def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
@@ -335,6 +375,8 @@ class ConfigManager:
             raise ValueError(f"job.config_file {path!r} is not valid TOML: {err}") from None
         data = _legacy.translate_legacy_toml(data, str(file), text)  # compat hook
         for section, table in data.items():
+            if section in JobConfig.root_fields():  # upstream's root fields: a top-level key
+                continue
             if not isinstance(table, dict):
                 raise ValueError(
                     f"{path}: top-level key {section!r} must be a [section] table, "

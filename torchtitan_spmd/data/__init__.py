@@ -1,7 +1,7 @@
 """Training data: a byte-level :class:`Tokenizer` or a Hugging Face one
-(:class:`HuggingFaceTokenizer`, ``model.hf_assets_path``), a synthetic corpus generated
+(:class:`HuggingFaceTokenizer`, ``hf_assets_path``), a synthetic corpus generated
 from code (:func:`build_corpus`) or local text files (:func:`load_documents`,
-``training.dataset``), and data-parallel sharded next-token batches
+``dataloader.dataset``), and data-parallel sharded next-token batches
 (:func:`build_dataloader`). Nothing is downloaded; ``tokenizers`` and ``datasets`` are
 imported only when a Hugging Face tokenizer or a file dataset is asked for."""
 

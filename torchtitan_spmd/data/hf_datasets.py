@@ -1,13 +1,13 @@
 """Local text datasets through the Hugging Face ``datasets`` package, packed to ``seq_len``.
 
-``training.dataset`` picks the format of the files at ``training.dataset_path``:
+``dataloader.dataset`` picks the format of the files at ``dataloader.dataset_path``:
 
 =============  ===============================================================
 ``"json"``     JSON lines (or a JSON array) of objects with a ``text`` field
 ``"text"``     plain text, one document per line
 ``"parquet"``  parquet with a ``text`` column
 ``"c4_test"``  torchtitan's test set: a folder of JSON lines with ``text``
-               (``tests/assets/c4_test`` unless ``training.dataset_path``)
+               (``tests/assets/c4_test`` unless ``dataloader.dataset_path``)
 =============  ===============================================================
 
 ``dataset_path`` is a file, a folder (its files of that format, sorted by name) or a glob
@@ -41,15 +41,15 @@ from typing import Any
 import torch
 
 from torchtitan_spmd._errors import require
-from torchtitan_spmd.data.loader import steps_read
+from torchtitan_spmd.data.position import steps_read
 
 __all__ = ["C4_TEST_PATH", "PackedTextIterator", "load_documents"]
 
-#: Where ``training.dataset="c4_test"`` reads without ``training.dataset_path`` (torchtitan's path,
+#: Where ``dataloader.dataset="c4_test"`` reads without ``dataloader.dataset_path`` (torchtitan's path,
 #: relative to the working directory; this repository ships a small stand-in there).
 C4_TEST_PATH = "tests/assets/c4_test"
 
-#: ``training.dataset`` -> (the ``datasets`` builder, the file name endings a folder is searched for).
+#: ``dataloader.dataset`` -> (the ``datasets`` builder, the file name endings a folder is searched for).
 _FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
     "json": ("json", (".jsonl", ".json", ".jsonl.gz", ".json.gz")),
     "c4_test": ("json", (".jsonl", ".json", ".jsonl.gz", ".json.gz")),
@@ -65,9 +65,9 @@ _DOCS_PER_CALL = 64
 
 
 def _data_files(dataset: str, path: str) -> list[str]:
-    """The files ``training.dataset_path`` names, sorted (``ValueError`` when there are none)."""
+    """The files ``dataloader.dataset_path`` names, sorted (``ValueError`` when there are none)."""
     endings = _FORMATS[dataset][1]
-    where = f"training.dataset_path={path!r} (training.dataset={dataset!r})"
+    where = f"dataloader.dataset_path={path!r} (dataloader.dataset={dataset!r})"
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
@@ -91,7 +91,7 @@ def _innermost(err: BaseException) -> BaseException:
 
 
 def load_documents(dataset: str, dataset_path: str | None) -> Any:
-    """The documents of ``training.dataset`` at ``training.dataset_path``: a ``datasets.Dataset``
+    """The documents of ``dataloader.dataset`` at ``dataloader.dataset_path``: a ``datasets.Dataset``
     with one column, ``text``.
 
     Raises:
@@ -100,16 +100,16 @@ def load_documents(dataset: str, dataset_path: str | None) -> Any:
         torchtitan_spmd._errors.MissingExtraError: ``datasets`` is not installed (names the ``hf`` extra).
     """
     if dataset not in _FORMATS:
-        raise ValueError(f"training.dataset={dataset!r} is not a file dataset; valid: "
+        raise ValueError(f"dataloader.dataset={dataset!r} is not a file dataset; valid: "
                          f"{', '.join(map(repr, _FORMATS))}.")
     path = dataset_path or (C4_TEST_PATH if dataset == "c4_test" else None)
     if not path:
-        raise ValueError(f"training.dataset={dataset!r} needs training.dataset_path.")
+        raise ValueError(f"dataloader.dataset={dataset!r} needs dataloader.dataset_path.")
     files = _data_files(dataset, path)
-    datasets = require("datasets", "hf", f"training.dataset={dataset!r}")
+    datasets = require("datasets", "hf", f"dataloader.dataset={dataset!r}")
     builder = _FORMATS[dataset][0]
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ValueError(f"training.dataset_path={path!r}: the dataset is empty ({len(files)} empty file(s)).")
+        raise ValueError(f"dataloader.dataset_path={path!r}: the dataset is empty ({len(files)} empty file(s)).")
     datasets.disable_progress_bars()  # no progress bars from every rank
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a bad file: our one line, not the builder's log too
@@ -118,15 +118,15 @@ def load_documents(dataset: str, dataset_path: str | None) -> Any:
     except Exception as err:  # the builders raise many types; the innermost one says what was wrong
         inner = _innermost(err)
         message = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
-        raise ValueError(f"training.dataset_path={path!r}: cannot read {len(files)} file(s) as {builder!r} "
-                         f"(training.dataset={dataset!r}): {type(inner).__name__}: {message}") from None
+        raise ValueError(f"dataloader.dataset_path={path!r}: cannot read {len(files)} file(s) as {builder!r} "
+                         f"(dataloader.dataset={dataset!r}): {type(inner).__name__}: {message}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
     if TEXT_FIELD not in ds.column_names:
-        raise ValueError(f"training.dataset_path={path!r}: the documents have no {TEXT_FIELD!r} field "
+        raise ValueError(f"dataloader.dataset_path={path!r}: the documents have no {TEXT_FIELD!r} field "
                          f"(their fields: {', '.join(ds.column_names) or 'none'}).")
     if len(ds) == 0:
-        raise ValueError(f"training.dataset_path={path!r}: the dataset is empty (no document).")
+        raise ValueError(f"dataloader.dataset_path={path!r}: the dataset is empty (no document).")
     return ds.select_columns([TEXT_FIELD])
 
 

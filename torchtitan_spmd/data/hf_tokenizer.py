@@ -1,4 +1,4 @@
-"""A Hugging Face tokenizer from an assets folder (``model.hf_assets_path``).
+"""A Hugging Face tokenizer from an assets folder (``hf_assets_path``).
 
 Behaves as torchtitan's ``HuggingFaceTokenizer`` for a folder with ``tokenizer.json``:
 
@@ -62,23 +62,23 @@ class HuggingFaceTokenizer:
 
     Raises:
         ValueError: ``path`` is not a folder, has no ``tokenizer.json``, or one of its files
-            cannot be read (the message names ``model.hf_assets_path`` and the file).
+            cannot be read (the message names ``hf_assets_path`` and the file).
         torchtitan_spmd._errors.MissingExtraError: ``tokenizers`` is not installed (names the ``hf`` extra).
     """
 
     def __init__(self, path: str) -> None:
-        tokenizers = require("tokenizers", "hf", "model.hf_assets_path (a Hugging Face tokenizer)")
+        tokenizers = require("tokenizers", "hf", "hf_assets_path (a Hugging Face tokenizer)")
         if not os.path.isdir(path):
-            raise ValueError(f"model.hf_assets_path={path!r} is not a folder (it must hold tokenizer.json).")
+            raise ValueError(f"hf_assets_path={path!r} is not a folder (it must hold tokenizer.json).")
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             present = sorted(os.listdir(path))[:10]
-            raise ValueError(f"model.hf_assets_path={path!r} has no tokenizer.json (it holds {present}); "
+            raise ValueError(f"hf_assets_path={path!r} has no tokenizer.json (it holds {present}); "
                              "only tokenizer.json is read.")
         try:
             self._tok = tokenizers.Tokenizer.from_file(file)
         except Exception as err:  # the Rust library's own exception type
-            raise ValueError(f"model.hf_assets_path: cannot read {file}: {err}") from None
+            raise ValueError(f"hf_assets_path: cannot read {file}: {err}") from None
         self.path = path
         self.config = self._read_config(os.path.join(path, "tokenizer_config.json"))
         self.bos_token = _token_content("tokenizer_config.json bos_token", self.config.get("bos_token"))
@@ -103,9 +103,9 @@ class HuggingFaceTokenizer:
             with open(file, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as err:
-            raise ValueError(f"model.hf_assets_path: cannot read {file}: {err}") from None
+            raise ValueError(f"hf_assets_path: cannot read {file}: {err}") from None
         if not isinstance(config, dict):
-            raise ValueError(f"model.hf_assets_path: {file} must hold a JSON object, got {type(config).__name__}.")
+            raise ValueError(f"hf_assets_path: {file} must hold a JSON object, got {type(config).__name__}.")
         return config
 
     def _register_special_tokens(self, tokenizers: Any) -> None:
@@ -181,7 +181,7 @@ class HuggingFaceTokenizer:
 
 
 def build_tokenizer(hf_assets_path: str | None) -> Any:
-    """``model.hf_assets_path``'s :class:`HuggingFaceTokenizer`, or the byte tokenizer for None."""
+    """``hf_assets_path``'s :class:`HuggingFaceTokenizer`, or the byte tokenizer for None."""
     if hf_assets_path is None:
         from torchtitan_spmd.data.tokenizer import Tokenizer
 
@@ -193,6 +193,6 @@ def check_vocab_size(model_vocab_size: int, tokenizer: Any, *, model: str) -> No
     """``ValueError`` naming both sizes when the model cannot embed every id the tokenizer produces."""
     if model_vocab_size < tokenizer.vocab_size:
         source = getattr(tokenizer, "path", None)
-        which = f"the tokenizer of model.hf_assets_path={source!r}" if source else "the byte tokenizer"
+        which = f"the tokenizer of hf_assets_path={source!r}" if source else "the byte tokenizer"
         raise ValueError(f"model {model} has vocab_size={model_vocab_size}, smaller than {which} "
                          f"(vocab_size={tokenizer.vocab_size}): every token id must have an embedding row.")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchtitan_spmd.data.corpus import DEFAULT_CORPUS_CHARS, build_corpus
+from torchtitan_spmd.data.position import steps_read
 from torchtitan_spmd.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -149,19 +150,6 @@ class ShardedBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         self.step = steps_read(samples, self.local_batch_size, self.dp_degree)
 
 
-def steps_read(samples: int, local_batch_size: int, dp_degree: int) -> int:
-    """How many global batches of ``local_batch_size x dp_degree`` a saved position of
-    ``samples`` global samples is (``ValueError`` naming both when not a whole number)."""
-    global_batch_size = local_batch_size * dp_degree
-    if samples % global_batch_size:
-        raise ValueError(
-            f"the data position ({samples} samples read) is not a whole number of global batches of "
-            f"{global_batch_size} (local_batch_size={local_batch_size} x data-parallel degree "
-            f"{dp_degree}); resume with a global batch size that divides {samples}."
-        )
-    return samples // global_batch_size
-
-
 def build_dataloader(
     *,
     dp_rank: int,
@@ -186,7 +174,7 @@ def build_dataloader(
         local_batch_size: samples per rank per step (>= 1).
         seq_len: tokens per sample (>= 1).
         seed: corpus seed (>= 0).
-        dataset, dataset_path: ``training.dataset`` / ``training.dataset_path``: the synthetic
+        dataset, dataset_path: ``dataloader.dataset`` / ``dataloader.dataset_path``: the synthetic
             data (:class:`ShardedBatchIterator`, byte-level) or local files
             (:class:`~torchtitan_spmd.data.hf_datasets.PackedTextIterator`, same sharding
             contract, tokenised with ``tokenizer``).
@@ -205,9 +193,9 @@ def build_dataloader(
     _check_int("seed", seed, 0)
     if dataset == "synthetic":
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise ValueError("the synthetic data (training.dataset='synthetic') is byte-level; a tokenizer from "
-                             f"model.hf_assets_path={getattr(tokenizer, 'path', None)!r} needs a text dataset: set "
-                             "training.dataset ('json', 'text', 'parquet' or 'c4_test') and training.dataset_path.")
+            raise ValueError("the synthetic data (dataloader.dataset='synthetic') is byte-level; a tokenizer from "
+                             f"hf_assets_path={getattr(tokenizer, 'path', None)!r} needs a text dataset: set "
+                             "dataloader.dataset ('json', 'text', 'parquet' or 'c4_test') and dataloader.dataset_path.")
         return ShardedBatchIterator(dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch_size,
                                     seq_len=seq_len, seed=seed)
     from torchtitan_spmd.data.hf_datasets import PackedTextIterator, load_documents
@@ -215,4 +203,4 @@ def build_dataloader(
     documents = load_documents(dataset, dataset_path)
     return PackedTextIterator(documents, tokenizer if tokenizer is not None else Tokenizer(), dp_rank=dp_rank,
                               dp_degree=dp_degree, local_batch_size=local_batch_size, seq_len=seq_len,
-                              name=f"training.dataset={dataset!r} at {dataset_path!r}")
+                              name=f"dataloader.dataset={dataset!r} at {dataset_path!r}")

@@ -1,4 +1,4 @@
-"""Device meshes (layer 2) and the SPMD runtime (layers 3 and 4).
+"""What sits below the models: device meshes, layouts, the plan language and the tensor representations.
 
 A drop-in for ``torchtitan.distributed``::
 
@@ -6,13 +6,19 @@ A drop-in for ``torchtitan.distributed``::
 
 The package, by role:
 
-- meshes and layouts: :mod:`.parallel_dims` (``ParallelDims``), :mod:`.layout` (``SpmdLayout``);
-- the plan language: :mod:`.plan`;
-- how a backend represents tensors: :mod:`.representation` (the interface and the
-  registry) and :mod:`.representations` (``default``, ``full_dtensor``, ``spmd_types``);
-- one module per technique: :mod:`.apply_plan`, :mod:`.fsdp`, :mod:`.loss`,
-  :mod:`.grad_norm`, :mod:`.inputs`, :mod:`.param_init`;
-- upstream's names for forks: :mod:`.utils`.
+- meshes and layouts: :mod:`.parallel_dims` (``ParallelDims``), :mod:`.layout` (``SpmdLayout``),
+  :mod:`._mesh_compat` (torch-version differences of ``DeviceMesh``);
+- the plan language and its one hook installer: :mod:`.plan`, :mod:`.apply_plan`;
+- how a backend represents tensors: :mod:`.representation` (the interface, and the lookup
+  of the module the backend registry :mod:`torchtitan_spmd.config.backends` names) and :mod:`.representations` (``default``, ``full_dtensor``, ``spmd_types``),
+  with the model inputs' layouts (:mod:`.inputs`) and the expert exchange a representation
+  provides (:mod:`.expert_exchange`);
+- collectives' timeouts and failures: :mod:`.comm`;
+- upstream's names for forks: :mod:`.utils`, :mod:`.spmd_types`.
+
+The techniques that use them (FSDP, PP, CP, EP, the MoE runtime, AC, compile, the loss, the
+gradient norm, parameter init) sit above the models in :mod:`torchtitan_spmd.techniques`, and
+checkpointing in :mod:`torchtitan_spmd.checkpoint`. Nothing here imports either, nor the models.
 
 Importing this package imports :mod:`.parallel_dims` (and so ``torch.distributed``)
 and nothing else; the runtime is imported on first use.

@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -198,6 +199,34 @@ def _splits_default_group() -> bool:
     return getattr(default, "bound_device_id", None) is not None and torch.cuda.is_available()
 
 
+def local_tensor_mode_active() -> bool:
+    """Whether torch's ``LocalTensorMode`` (one process simulating every rank) is on; False on a
+    torch without it."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode  # noqa: PLC0415
+    except ImportError:
+        return False
+    return local_tensor_mode() is not None
+
+
+def outside_local_tensor_mode() -> AbstractContextManager[Any]:
+    """A context with torch's ``LocalTensorMode`` off (nothing when it is not on): what runs in it
+    computes one value, not one per simulated rank."""
+    if not local_tensor_mode_active():
+        return nullcontext()
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode  # noqa: PLC0415
+
+    return maybe_disable_local_tensor_mode()
+
+
+def _this_rank() -> int:
+    """``dist.get_rank()``; under torch's ``LocalTensorMode`` (one process simulating every rank,
+    on a fake default group) rank 0: its ``get_rank`` is then one symbolic value for all the
+    simulated ranks, and the mode's collectives derive every rank's subgroup from rank 0's (they
+    take a group's ranks as a layout and its complement over the world)."""
+    return 0 if local_tensor_mode_active() else dist.get_rank()
+
+
 def init_axis_group(
     layout: AxisLayout,
     rank_map: torch.Tensor,
@@ -228,7 +257,7 @@ def init_axis_group(
     """
     if backend is None and (layout.numel() == dist.get_world_size() or _splits_default_group()):
         return DeviceMesh._init_one_process_group(layout, rank_map, name, (None, None))
-    ranks = axis_ranks(layout, rank_map, dist.get_rank())
+    ranks = axis_ranks(layout, rank_map, _this_rank())
     if ranks is None:
         return None
     group = dist.new_group(

@@ -88,10 +88,21 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
     representation.check_plan(plan)
     if representation.forward_mesh is None:
         return states
-    for _, module, name, layout in plan.param_layouts(model):
+    done: dict[int, tuple[Any, Any]] = {}  # a tensor shared by two modules (tied weights): once
+    for fqn, module, name, layout in plan.param_layouts(model):
         table = module._parameters if name in module._parameters else module._buffers
-        if table[name] is not None:
-            table[name] = representation.distribute(table[name], layout)  # type: ignore[assignment]
+        tensor = table[name]
+        if tensor is None:
+            continue
+        if id(tensor) in done:
+            first_layout, distributed = done[id(tensor)]
+            if first_layout != layout:
+                raise ValueError(f"the plan lays out {fqn}.{name} as {layout}, but the same tensor (shared with "
+                                 f"another module: tied weights) as {first_layout}; one tensor has one layout.")
+            table[name] = distributed
+            continue
+        table[name] = representation.distribute(tensor, layout)  # type: ignore[assignment]
+        done[id(tensor)] = (layout, table[name])
     for fqn, module, mplan in plan.resolve(model):
         _install(fqn or "<model>", module, mplan, representation)
     return states

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from spmd_types import I, P, R, S, V
+from spmd_types import I, MeshAxis, P, R, S, V
 from spmd_types.types import PerMeshAxisLocalSpmdType, Shard
 
 #: A per-axis type: ``R``, ``I``, ``V``, ``P`` or ``S(d)``.
@@ -54,12 +54,23 @@ def _is_axis_type(value: object) -> bool:
     return isinstance(value, Shard | PerMeshAxisLocalSpmdType)
 
 
+def _is_axis(axis: Any) -> bool:
+    """A mesh axis as a layout may key it: a name, or the ``MeshAxis`` spmd_types reports.
+
+    Upstream b5bcd76's own code builds ``SpmdLayout(axis_types=spmd.get_local_type(t), ...)``
+    (``protocols/module.py``, saving buffers' types across ``to_empty``), whose keys are
+    spmd_types ``MeshAxis`` objects, not names.
+    """
+    return isinstance(axis, (str, MeshAxis))
+
+
 @dataclass(frozen=True)
 class SpmdLayout:
     """Per-mesh-axis ``spmd_types`` types plus an optional partition spec. Immutable.
 
     Args:
-        axis_types: mapping of mesh-axis name (a ``str`` or ``MeshAxisName``) to ``R``,
+        axis_types: mapping of mesh axis (a name: ``str`` or ``MeshAxisName``; or an
+            spmd_types ``MeshAxis``, as ``spmd_types.get_local_type`` reports) to ``R``,
             ``I``, ``V``, ``P`` or ``S(d)``. Axes not listed are ``R``. Also readable
             as :attr:`types`.
         partition_spec: optional; one entry per tensor dim. Mutually exclusive
@@ -82,8 +93,9 @@ class SpmdLayout:
             )
         items = tuple(self.axis_types.items())
         for axis, typ in items:
-            if not isinstance(axis, str):
-                raise TypeError(f"SpmdLayout: mesh-axis names must be str, got {axis!r}.")
+            if not _is_axis(axis):
+                raise TypeError(f"SpmdLayout: mesh axes must be names (str) or spmd_types MeshAxis objects, "
+                                f"got {type(axis).__name__} {axis!r}.")
             if not _is_axis_type(typ):
                 raise TypeError(
                     f"SpmdLayout: axis {axis!r} has type {typ!r}; expected one of "
@@ -115,8 +127,8 @@ class SpmdLayout:
         seen: set[str] = set()
         normalised: list[SpecEntry] = []
         for dim, entry in enumerate(spec):
-            axes = (entry,) if isinstance(entry, str) else (entry or ())
-            if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+            axes = (entry,) if _is_axis(entry) else (entry or ())
+            if not isinstance(axes, tuple) or not all(_is_axis(a) for a in axes):
                 raise TypeError(
                     f"SpmdLayout: partition_spec[{dim}] must be None, an axis name or a tuple "
                     f"of axis names, got {entry!r}."
@@ -131,7 +143,7 @@ class SpmdLayout:
                         f"SpmdLayout: axis {axis!r} is in partition_spec but typed {typ!r}; "
                         "spec axes must be V."
                     )
-            normalised.append(entry if entry is None or isinstance(entry, str) else tuple(entry))
+            normalised.append(entry if entry is None or _is_axis(entry) else tuple(entry))
         object.__setattr__(self, "partition_spec", tuple(normalised))
 
     # ----------------------------------------------------------------------------------

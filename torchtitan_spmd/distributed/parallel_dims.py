@@ -59,7 +59,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_spmd._errors import suggest
 from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat hook
-from torchtitan_spmd.config.backends import BackendMeshes, backend, resolve_backend
+from torchtitan_spmd.config.backends import BackendMeshes, backend
+from torchtitan_spmd.config.surface import check_backend_spelling, get_surface
 
 from . import _mesh_compat
 from .layout import SpmdLayout
@@ -72,9 +73,11 @@ __all__ = [
     "ParallelDims",
     "ParallelDimsError",
     "SpmdLayout",
+    "SpmdMeshUnavailableError",
     "device_type",
     "seq_len_divisor",
     "unfold_dp_axes",
+    "unfold_dp_axis",
 ]
 
 #: The device type of meshes built by a ``ParallelDims`` created without one:
@@ -91,6 +94,13 @@ class ParallelDimsError(ValueError, AssertionError):
     """
 
 
+class SpmdMeshUnavailableError(ValueError, KeyError):
+    """The backend has no such SPMD mesh: a ``ValueError`` that is also upstream's ``KeyError``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class MeshAxisName(enum.StrEnum):
     """Logical names of mesh axes that tensors and modules are placed on."""
 
@@ -103,6 +113,27 @@ class MeshAxisName(enum.StrEnum):
     PP = "pp"
     EP = "ep"
     EFSDP = "efsdp"
+
+
+def unfold_dp_axis(axis: MeshAxisName | str) -> tuple[MeshAxisName, ...]:
+    """One logical axis as the concrete dense axes it stands for: ``dp`` is ``(dp_replicate, dp_shard)``.
+
+    Upstream's name and semantics at b5bcd76 (its sharding protocol reads it). An axis that
+    is not a :class:`MeshAxisName` is a ``ValueError`` naming it and the valid names.
+
+    >>> unfold_dp_axis("dp")
+    (<MeshAxisName.DP_REPLICATE: 'dp_replicate'>, <MeshAxisName.DP_SHARD: 'dp_shard'>)
+    >>> unfold_dp_axis("tp")
+    (<MeshAxisName.TP: 'tp'>,)
+    """
+    try:
+        name = MeshAxisName(axis)
+    except ValueError:
+        raise ValueError(f"unfold_dp_axis: {axis!r} is not a mesh axis name; valid names: "
+                         f"{[a.value for a in MeshAxisName]}") from None
+    if name == MeshAxisName.DP:
+        return (MeshAxisName.DP_REPLICATE, MeshAxisName.DP_SHARD)
+    return (name,)
 
 
 def unfold_dp_axes(axes: Iterable[str]) -> list[str]:
@@ -191,7 +222,10 @@ class ParallelDims:
         ep: expert-parallel degree. Not a factor of ``world_size``: EP reuses the
             ranks of ``dp_shard * cp * tp``, which it must divide.
         world_size: the number of ranks.
-        spmd_backend: ``"default"``, ``"full_dtensor"`` or ``"spmd_types"``.
+        spmd_backend: ``"default"`` (or upstream's August spelling ``"partial_dtensor"``),
+            ``"full_dtensor"`` or ``"spmd_types"``; read back as written. Default: the
+            fork's surface's (``"default"`` under ``june``, ``"spmd_types"`` under ``august``;
+            see :mod:`torchtitan_spmd.config.surface`).
         device_type: device of the meshes; default: the module-level
             :data:`device_type` (``"cuda"`` when CUDA is available, else ``"cpu"``).
             Also chooses the process-group backend (:attr:`pg_backend`) if
@@ -215,7 +249,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    spmd_backend: str = "default"
+    spmd_backend: str = field(default_factory=lambda: get_surface().default_backend)
     device_type: str | None = field(default=None, kw_only=True)
 
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
@@ -250,7 +284,7 @@ class ParallelDims:
 
     @staticmethod
     def _check_backend(value: Any) -> str:
-        return resolve_backend(value, "ParallelDims: spmd_backend")
+        return check_backend_spelling(value, "ParallelDims: spmd_backend")
 
     def _validate(self) -> None:
         for name in (*_DEGREES, "world_size"):
@@ -286,7 +320,9 @@ class ParallelDims:
         region = self.dp_shard * self.cp * self.tp
         if region % self.ep:
             raise ParallelDimsError(
-                f"ParallelDims: ep ({self.ep}) must divide dp_shard * cp * tp = "
+                # upstream b5bcd76's words first (its unit test matches them), then the arithmetic
+                f"ParallelDims: expert_parallel_degree ({self.ep}) must divide dp_shard * cp * tp "
+                f"({region}): ep ({self.ep}) must divide dp_shard * cp * tp = "
                 f"{self.dp_shard} * {self.cp} * {self.tp} = {region}, because expert "
                 "parallelism reuses those ranks."
             )
@@ -534,7 +570,12 @@ class ParallelDims:
         """
         if self._world_mesh is None:
             return {}
-        return {name: self._mesh(axes) for name, axes in self._table.upstream_global_meshes.items()}
+        table = self._table
+        return {
+            name: self._mesh(axes)
+            for name, axes in table.upstream_global_meshes.items()
+            if self.ep > 1 or name not in table.upstream_ep_only
+        }
 
     @property
     def _single_axis_meshes(self) -> dict[str, DeviceMesh]:
@@ -690,6 +731,66 @@ class ParallelDims:
             if mesh is not None and not any(mesh is m for m in out):
                 out.append(mesh)
         return out
+
+    # ---------------------------------------------------------------- upstream b5bcd76 (August)
+    def _spmd_fwdbwd_mesh(self, axes: tuple[str, ...]) -> DeviceMesh | None:
+        self.build_mesh()
+        if self._table.spmd_fwdbwd_singletons:
+            return self._mesh(axes)
+        return self.get_activated_mesh(axes)
+
+    def spmd_dense_mesh(self) -> DeviceMesh:
+        """The dense mesh of the forward and backward (upstream b5bcd76's ``spmd_dense_mesh()``).
+
+        - spmd_types: ``(dp, cp, tp)`` with its size-1 axes, upstream's
+          ``_global_meshes["spmd_dense_for_fwdbwd"]`` (the same object);
+        - full_dtensor (this library's extension; upstream removed the backend): the active
+          axes of ``(dp_replicate, dp_shard, cp, tp)``, ``spmd_meshes()[0]``;
+        - default / partial_dtensor: no such mesh (upstream: ``KeyError``).
+
+        Raises:
+            SpmdMeshUnavailableError: (a ``KeyError`` and a ``ValueError``) under a backend
+                with no dense SPMD mesh.
+        """
+        axes = self._table.spmd_dense
+        if axes is None:
+            raise SpmdMeshUnavailableError(
+                f"ParallelDims.spmd_dense_mesh(): spmd_backend={self.spmd_backend!r} has no dense SPMD "
+                "mesh (upstream b5bcd76 defines it under 'spmd_types' only; this library under "
+                "'full_dtensor' too). Use get_dense_tp_mesh() or get_mesh('tp')."
+            )
+        mesh = self._spmd_fwdbwd_mesh(axes)
+        if mesh is None:  # every axis inactive: nothing is distributed
+            raise SpmdMeshUnavailableError(
+                f"ParallelDims.spmd_dense_mesh(): no axis of {axes} is active under "
+                f"spmd_backend={self.spmd_backend!r} ({self!r})."
+            )
+        return mesh
+
+    def spmd_sparse_mesh(self) -> DeviceMesh | None:
+        """The experts' mesh of the forward and backward (upstream b5bcd76's ``spmd_sparse_mesh()``).
+
+        ``(dp_replicate, efsdp, ep)`` when ``ep > 1`` (under spmd_types with its size-1 axes,
+        upstream's ``_global_meshes["spmd_sparse_for_fwdbwd"]``; under full_dtensor its active
+        axes), else None; None under default / partial_dtensor, as upstream.
+        """
+        axes = self._table.spmd_sparse
+        if axes is None or self.ep == 1:
+            return None
+        return self._spmd_fwdbwd_mesh(axes)
+
+    def get_dense_tp_mesh(self) -> DeviceMesh:
+        """The 1-D ``tp`` mesh of the dense forward and backward (upstream b5bcd76's).
+
+        Under a backend with a dense SPMD mesh that keeps size-1 axes (spmd_types) it is
+        that mesh's ``tp`` axis, even at ``tp == 1``; otherwise :meth:`get_mesh` ``("tp")``,
+        which raises when TP is off, as upstream.
+        """
+        table = self._table
+        if table.spmd_dense is not None and table.spmd_fwdbwd_singletons and "tp" in table.spmd_dense:
+            self.build_mesh()
+            return self._mesh(("tp",))  # the dense mesh's tp axis, sharing its group
+        return self.get_mesh("tp")
 
     def get_all_one_dimensional_meshes(self) -> dict[str, DeviceMesh]:
         """The 1-D meshes of size > 1 with a real process group, by axis name.

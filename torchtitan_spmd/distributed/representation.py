@@ -41,6 +41,7 @@ first use and is the only place that maps a backend name to code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
     from torchtitan_spmd.config import JobConfig
 
-    from ..techniques.expert_parallel import ExpertExchange
+    from .expert_exchange import ExpertExchange
     from .parallel_dims import ParallelDims
     from .plan import ShardingPlan
 
@@ -160,10 +161,19 @@ class TensorRepresentation(ABC):
     supports_pipeline_parallel = _FromRegistry(
         "pipeline_parallel", "Whether this backend runs pipeline parallelism (``pipeline_parallel_degree > 1``): "
         "its stages meet torch's pipelining through ``from_local``/``to_local`` with the plan's stage_boundary.")
+    supports_local_tensor = _FromRegistry(
+        "local_tensor", "Whether ``comm.mode='local_tensor'`` simulates this backend in one process "
+        "(torch's LocalTensorMode), its numbers measured equal to the multi-process run's.")
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self.parallel_dims = parallel_dims
-        self.forward_mesh: DeviceMesh | None = self.resolve_forward_mesh(parallel_dims)
+
+    @functools.cached_property
+    def forward_mesh(self) -> DeviceMesh | None:
+        """The mesh this backend's forward and backward run on (None: nothing is distributed),
+        resolved on first use: a representation can be built, and :meth:`validate` run, before
+        ``parallel_dims`` builds its meshes."""
+        return self.resolve_forward_mesh(self.parallel_dims)
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -302,7 +312,7 @@ class TensorRepresentation(ABC):
     def expert_exchange(self, group: dist.ProcessGroup) -> ExpertExchange:
         """The collectives of expert parallelism over ``group`` (``ep``): torch's ``all_to_all_single``,
         the rows' with autograd (``spmd_types`` types them)."""
-        from ..techniques.expert_parallel import ExpertExchange
+        from .expert_exchange import ExpertExchange
 
         return ExpertExchange(group)
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from torchtitan_spmd.config.surface import get_surface
+
 from .representation import get_representation
 
 if TYPE_CHECKING:
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["get_spmd_backend", "get_train_context", "maybe_enable_amp", "set_spmd_backend", "spmd_backend_scope"]
 
-_process_default = "default"
+_process_default: str | None = None  # None: the fork's surface's default backend
 _scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("torchtitan_spmd_backend", default=None)
 
 
@@ -36,18 +38,22 @@ def set_spmd_backend(name: str) -> None:
     Raises ValueError for an unknown name, or a backend with no runtime in this build.
     """
     global _process_default
-    _process_default = get_representation(name).name  # validated; the runtime exists
+    get_representation(name)  # validated; the runtime exists
+    _process_default = name  # as written: a fork reads back its own spelling
 
 
 def get_spmd_backend() -> str:
     """The backend of the innermost :func:`spmd_backend_scope` (a trainer's), else the process default."""
     scoped = _scoped.get()
-    return scoped if scoped is not None else _process_default
+    if scoped is not None:
+        return scoped
+    return _process_default if _process_default is not None else get_surface().default_backend
 
 
 def spmd_backend_scope(name: str) -> AbstractContextManager[None]:
     """Within this context (and this thread/task), :func:`get_spmd_backend` returns ``name``."""
-    return _scope(get_representation(name).name)
+    get_representation(name)  # validated; the runtime exists
+    return _scope(name)  # as written: a fork reads back its own spelling (e.g. "partial_dtensor")
 
 
 @contextlib.contextmanager

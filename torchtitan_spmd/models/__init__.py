@@ -12,7 +12,7 @@ family with ``model.name`` and the flavour with ``model.flavor``::
         model = spec.build(config)
     plan = spec.sharding_plan(config, sequence_parallel=True, loss_parallel=True)
 
-Built-in families: ``llama3`` (Llama 3 style) and ``qwen3`` (Qwen3 style: QK
+Built-in families: ``llama3`` (Llama 3 style), ``deepseek_v3`` (MLA, DeepSeek MoE) and ``qwen3`` (Qwen3 style: QK
 RMSNorm per head, decoupled head width). A fork adds its own with
 :func:`register_model_spec`. Importing this package imports no family.
 """
@@ -58,12 +58,38 @@ def replace_config(config: Any, *, vocab_size: int | None = None, max_seq_len: i
 
 
 #: The families shipped with the library, each the package ``torchtitan_spmd.models.<name>``.
-BUILTIN_FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
+BUILTIN_FAMILIES: tuple[str, ...] = ("llama3", "qwen3", "deepseek_v3")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family.
+    """One model family, and the model contract every family meets.
+
+    **The model contract.** What the trainer, the techniques and the checkpoints rely on,
+    and so what a new family must provide (and nothing more):
+
+    - **The config** (each flavour): a frozen dataclass with ``dim``, ``n_layers`` and
+      ``vocab_size`` (``max_seq_len`` too if it has RoPE tables: the trainer sizes them to
+      ``training.seq_len``).
+    - **The modules**: ``tok_embeddings`` (token ids ``[batch, seq]`` in), ``layers`` (an
+      ``nn.ModuleDict`` of ``n_layers`` blocks keyed ``"0"``, ``"1"``, ...; each block is an
+      FSDP unit, an activation-checkpointing region, a compile unit and the PP split's
+      grain), ``norm`` and ``output`` (logits ``[batch, seq, vocab]`` out), in that order:
+      :meth:`part_names`. ``forward(tokens, positions=None)``: ``positions`` are the RoPE
+      positions of the tokens, given under context parallelism.
+    - **Initial values**: ``init_weights(seed)`` and ``initial_value(fqn, shape, seed)``,
+      the full, seeded value of any parameter or buffer, so that every rank can initialise
+      its own shard and every layout starts from the same weights
+      (:mod:`torchtitan_spmd.techniques.param_init`).
+    - **The plan**: :attr:`sharding_plan` gives the layouts at module boundaries and of every
+      parameter (:mod:`torchtitan_spmd.distributed.plan`); the representation of each backend
+      interprets it, so a family never names a backend.
+    - **MoE** (optional): MoE blocks are :class:`torchtitan_spmd.models.moe.MoE`, whose
+      experts are :class:`~torchtitan_spmd.models.moe.GroupedExperts` (what expert parallelism
+      shards, what the MoE runtime balances).
+    - **Validation**: :attr:`validate` rejects, naming the field, what these degrees cannot
+      shard (heads not divisible by TP, ...).
+    - **Hugging Face** (optional): :attr:`state_dict_adapter`.
 
     Attributes:
         name: the family name (``model.name``).
@@ -71,7 +97,7 @@ class ModelSpec:
             with a ``vocab_size`` field).
         build: model config -> the model, on the current device (the trainer builds
             on ``meta``), not yet initialised. The model provides
-            ``initial_value(fqn, shape, seed)`` (see ``distributed/param_init.py``).
+            ``initial_value(fqn, shape, seed)`` (see ``techniques/param_init.py``).
         sharding_plan: ``(config, *, sequence_parallel, loss_parallel)`` -> the plan.
         validate: ``(config, job_config, parallel_dims)``: raise ValueError, naming the
             field, for a config these degrees cannot shard (e.g. heads not divisible by TP).
@@ -103,6 +129,12 @@ class ModelSpec:
                 f"{', '.join(sorted(self.flavors))}.{suggest(flavor, self.flavors)}"
             )
         return replace_config(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+    def part_names(self, config: Any) -> list[str]:
+        """The model's top-level parts by the contract, before any model is built:
+        ``tok_embeddings``, ``layers.0`` ... ``layers.<n_layers - 1>``, ``norm``, ``output``
+        (the names pipeline parallelism splits by)."""
+        return ["tok_embeddings", *(f"layers.{i}" for i in range(config.n_layers)), "norm", "output"]
 
     def build_initialized(self, flavor: str, *, seed: int, vocab_size: int | None = None,
                           max_seq_len: int | None = None) -> nn.Module:
@@ -147,6 +179,36 @@ def get_model_spec(name: str) -> ModelSpec:
     if not isinstance(spec, ModelSpec) or spec.name != name:
         raise TypeError(f"{__name__}.{name}.MODEL_SPEC must be a ModelSpec named {name!r}.")
     return spec
+
+
+def upstream_recipe(name: str, flavor: str, *, lr: float, local_batch_size: int, seq_len: int, steps: int,
+                    checkpoint_interval: int, ac_mode: str, warmup_steps: int = 200, tensorboard: bool = False,
+                    **parallelism: object) -> JobConfig:
+    """A ``JobConfig`` with upstream's (a0c831c49) recipe values for family ``name``, flavour ``flavor``.
+
+    Upstream's warm-up default (200 steps) unless given; parameters in upstream's bf16 mixed
+    precision (sized for GPUs). What upstream's recipes add that this library lacks is named in
+    the recipe's docstring (``ChunkedCELoss``: this library's cross-entropy gives the same loss
+    unchunked; the profiler; the validator; ``c4``: nothing is downloaded here, so the data stays
+    the config's default unless ``--training.dataset json --training.dataset_path`` name a local
+    copy; ``hf_assets_path``: ``--hf_assets_path`` names the local folder).
+    """
+    from torchtitan_spmd.config import JobConfig
+
+    config = JobConfig()
+    config.model.name = name
+    config.model.flavor = flavor
+    config.training.local_batch_size = local_batch_size
+    config.training.seq_len = seq_len
+    config.training.steps = steps
+    config.optimizer.lr = lr
+    config.lr_scheduler.warmup_steps = warmup_steps
+    config.checkpoint.interval = checkpoint_interval
+    config.activation_checkpoint.mode = ac_mode  # type: ignore[assignment]
+    config.metrics.enable_tensorboard = tensorboard
+    for field, value in parallelism.items():
+        setattr(config.parallelism, field, value)
+    return config
 
 
 def cpu_job_config(name: str, flavor: str, *, local_batch_size: int, seq_len: int, lr: float,

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_spmd.models.rope import NO_SCALING, precompute_rope
+
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
@@ -49,6 +51,7 @@ __all__ = [
     "check_positive_ints",
     "check_seq_len",
     "check_tp_divisible",
+    "check_weight_tying",
     "count_parameters",
     "param_seed",
     "precompute_rope",
@@ -75,6 +78,20 @@ def check_seq_len(max_seq_len: int, job_config: JobConfig) -> None:
     if seq_len > max_seq_len:
         raise ValueError(f"training.seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len} "
                          f"(model.flavor={job_config.model.flavor!r}).")
+
+
+def check_weight_tying(config: object, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError for a tied model (``enable_weight_tying``) under pipeline parallelism.
+
+    As upstream: the embedding and the output projection sit on different stages, so one
+    parameter cannot serve both.
+    """
+    if getattr(config, "enable_weight_tying", False) and parallel_dims.pp_enabled:
+        raise ValueError(
+            f"model {job_config.model.name}/{job_config.model.flavor} ties its embedding and output weights "
+            f"(enable_weight_tying; HF tie_word_embeddings), which pipeline parallelism cannot split over stages "
+            f"(parallelism.pipeline_parallel_degree={parallel_dims.pp}): train it without PP (FSDP, TP, CP), "
+            f"or untie it (a flavour without enable_weight_tying; its output then starts as a copy).")
 
 
 def check_tp_divisible(sizes: Mapping[str, int], job_config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -115,18 +132,6 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
-
-
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables ``(cos, sin)``, each float32 of shape ``[max_seq_len, head_dim // 2]``.
-
-    Row ``p`` holds the angles ``p * theta ** (-2i / head_dim)`` for
-    ``i = 0 .. head_dim/2 - 1``. Computed in float64 (on CPU), then rounded.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
-    positions = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
-    angles = torch.outer(positions, inv_freq)
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -269,7 +274,8 @@ class Decoder(nn.Module):
     """A pre-norm decoder: ``tokens [batch, seq] -> logits [batch, seq, vocab]`` (float32).
 
     Families give the config (``dim``, ``n_layers``, ``vocab_size``, ``norm_eps``,
-    ``head_dim``, ``max_seq_len``, ``rope_theta``) and the block factory. No loss
+    ``head_dim``, ``max_seq_len``, ``rope_theta``, optionally ``rope_scaling``, a
+    :class:`~torchtitan_spmd.models.rope.RopeScaling`) and the block factory. No loss
     is computed inside the model. ``forward`` slices the RoPE tables with the
     global sequence length of ``tokens`` and passes them to every block.
     """
@@ -285,14 +291,41 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(c.n_layers)})  # type: ignore[attr-defined]
         self.norm = RMSNorm(c.dim, eps=c.norm_eps)  # type: ignore[attr-defined]
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)  # type: ignore[attr-defined]
+        if getattr(c, "enable_weight_tying", False):
+            self.tie_weights()
+            # Saved once, as the embedding (HF's tie_word_embeddings writes no lm_head either):
+            # the output's name leaves the state dict, and loading puts it back, tied.
+            self._register_state_dict_hook(_drop_tied_output)
+            self.register_load_state_dict_pre_hook(_fill_tied_output)
         cos, sin = self._rope_tables()
         device = self.output.weight.device
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
+    @property
+    def weights_tied(self) -> bool:
+        """Whether the output projection's weight is the embedding's (``enable_weight_tying``)."""
+        emb, out = getattr(self, "tok_embeddings", None), getattr(self, "output", None)
+        return emb is not None and out is not None and out.weight is emb.weight
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the very parameter ``tok_embeddings.weight`` (one tensor, one
+        gradient: the two uses' gradients add up in it). Called again after anything that
+        replaces parameters (sharding, meta materialisation)."""
+        self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        # ``to_empty``/``to`` replace each module's parameters one module at a time, which unties.
+        out = super()._apply(fn, recurse)
+        if getattr(self.config, "enable_weight_tying", False) and not self.weights_tied \
+                and getattr(self, "tok_embeddings", None) is not None and getattr(self, "output", None) is not None:
+            self.tie_weights()
+        return out
+
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return precompute_rope(c.head_dim, c.max_seq_len, c.rope_theta)  # type: ignore[attr-defined]
+        scaling = getattr(c, "rope_scaling", NO_SCALING)
+        return precompute_rope(c.head_dim, c.max_seq_len, c.rope_theta, scaling)  # type: ignore[attr-defined]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) ``[batch, seq, vocab]`` for int64 ``tokens`` ``[batch, seq]``.
@@ -313,7 +346,7 @@ class Decoder(nn.Module):
             rope_cos, rope_sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         else:  # per-token tables [batch, seq, head_dim // 2], laid out as the tokens
             rope_cos, rope_sin = F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
-        # A pipeline stage's part (distributed/pipeline_parallel.py) lacks the modules other
+        # A pipeline stage's part (techniques/pipeline_parallel.py) lacks the modules other
         # stages hold: without the embedding ``tokens`` is the previous stage's activation.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -358,6 +391,27 @@ class Decoder(nn.Module):
         """(Re)initialise every parameter and the RoPE buffers of an unsharded model, in place."""
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             tensor.copy_(self.initial_value(name, tensor.shape, seed))
+
+
+_TIED = "output.weight"
+
+
+def _drop_tied_output(module: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+    """``state_dict`` hook of a tied decoder: the output weight is the embedding, saved once."""
+    if getattr(module, "weights_tied", False):
+        state_dict.pop(prefix + _TIED, None)
+
+
+def _fill_tied_output(module: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
+    """``load_state_dict`` pre-hook of a tied decoder: the output weight is the embedding's, so
+    a state dict without it (saved once) loads; one with its own copy is refused (not tied)."""
+    emb = state_dict.get(prefix + "tok_embeddings.weight")
+    out = state_dict.get(prefix + _TIED)
+    if out is not None and emb is not None and out is not emb and not torch.equal(out, emb):
+        raise ValueError(f"{prefix}{_TIED} differs from {prefix}tok_embeddings.weight, but this model ties "
+                         "them (enable_weight_tying): load a tied checkpoint, or untie the model.")
+    if emb is not None:
+        state_dict[prefix + _TIED] = emb
 
 
 def count_parameters(model: nn.Module) -> int:

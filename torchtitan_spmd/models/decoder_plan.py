@@ -26,20 +26,27 @@ Families add the plans of their own modules (``extra``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from torchtitan_spmd.distributed.layout import I, P, S, SpmdLayout, V
 from torchtitan_spmd.distributed.plan import ModulePlan, Redistribute, ShardingPlan
 
-__all__ = ["HEADS", "decoder_plan"]
+__all__ = ["HEADS", "decoder_plan", "moe_plan"]
 
 #: Attention heads after the split ``[batch, seq/cp, heads/tp, head_dim]``.
 HEADS = SpmdLayout({"cp": S(1), "tp": S(2)})
 
 
 def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
-                 extra: Mapping[str, ModulePlan] | None = None) -> ShardingPlan:
-    """The TP/SP/CP plan of a decoder, plus the family's ``extra`` module plans."""
+                 extra: Mapping[str, ModulePlan] | None = None, tied: bool = False) -> ShardingPlan:
+    """The TP/SP/CP plan of a decoder, plus the family's ``extra`` module plans.
+
+    ``tied`` (``enable_weight_tying``): the output projection's weight is the embedding's, one
+    tensor with one layout, replicated on ``tp`` as the embedding; the output then computes every
+    vocabulary column from the gathered sequence and, with loss parallel, keeps its own slice of
+    them (``S(2)@tp``: a local slice forward, a gather backward), so the loss is unchanged.
+    """
     replicated = SpmdLayout()
     sequence = SpmdLayout({"cp": S(1)})  # [batch, seq/cp, ...], replicated on tp
     # [batch, seq/(cp*tp), dim]: the sequence sharded by cp, then each cp slice by tp.
@@ -84,8 +91,55 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
             params={"weight": SpmdLayout({"tp": S(0)})},
             inputs=(gather_residual,),
             output=vocab if loss_parallel else Redistribute(vocab, SpmdLayout({"cp": S(1), "tp": I})),
+        ) if not tied else ModulePlan(
+            params={"weight": replicated},
+            inputs=(gather_residual,),
+            output=Redistribute(sequence, vocab if loss_parallel else SpmdLayout({"cp": S(1), "tp": I})),
         ),
         **(extra or {}),
     }
     return ShardingPlan(modules=modules, mesh_axes=("cp", "tp"), output_module="output", fsdp_units=("layers.*",),
                         attention=("layers.*.attention.sdpa",), stage_boundary=residual)
+
+
+def moe_plan(plan: ShardingPlan, *, keep_dense: bool = False, shared_experts: bool = False) -> ShardingPlan:
+    """``plan`` with every block's dense ``feed_forward`` replaced by an MoE block (no expert parallelism).
+
+    As upstream's MoE with ``ep = 1`` and ``tp > 1``: the block is a local region that sees
+    every token of its data-parallel / context-parallel shard, gathered over ``tp`` (the dense
+    feed-forward's input boundary); the router's gate is replicated, so every TP rank routes
+    the same tokens to the same experts; each expert is tensor-parallel as a dense SwiGLU,
+    ``w1``/``w3`` column-wise (``[E, hidden, dim]`` sharded on ``hidden``: ``S(1)@tp``) and ``w2``
+    row-wise (``[E, dim, hidden]``: ``S(2)@tp``), so the block's output is a pending sum over
+    ``tp`` (the row-wise ``w2``'s partial layout), reduced to the residual stream at the block's
+    output, once for all experts. Every replicated tensor feeding that partial output (the
+    gathered tokens, the gate) gets a partial gradient over ``tp``. The tokens-per-expert counts
+    are the same on every TP rank and summed over the data ranks only
+    (:func:`~torchtitan_spmd.techniques.moe.update_expert_bias`): counted once.
+
+    ``keep_dense``: the dense ``feed_forward`` entries stay too (a model whose first blocks are
+    dense, DeepSeek-V3's ``first_k_dense_replace``). ``shared_experts``: the MoE blocks have
+    DeepSeek's shared experts, tensor-parallel as the dense feed-forward (``w1``/``w3``
+    column-wise, ``w2`` row-wise) inside the block's local region: their output is a pending sum
+    over ``tp`` like the routed experts'.
+    """
+    dense = plan.modules["layers.*.feed_forward"]
+    rowwise_out = plan.modules["layers.*.feed_forward.w2"].output
+    assert isinstance(rowwise_out, Redistribute)
+    partial = rowwise_out.src  # [batch, seq/cp, dim], a pending sum over tp
+    modules = {k: v for k, v in plan.modules.items() if keep_dense or not k.startswith("layers.*.feed_forward")}
+    modules["layers.*.moe"] = ModulePlan(inputs=dense.inputs, output=Redistribute(partial, dense.output),
+                                         local_compute=True)
+    # The experts' rows ([tokens routed, dim], sorted by expert) are partial over tp too, and, as
+    # the block's tokens, vary over cp (each CP rank routes its own chunk of the sequence).
+    rows_partial = SpmdLayout({"cp": S(0), "tp": P})
+    modules["layers.*.moe.experts"] = ModulePlan(
+        params={"w1": SpmdLayout({"tp": S(1)}), "w2": SpmdLayout({"tp": S(2)}), "w3": SpmdLayout({"tp": S(1)})},
+        output=rows_partial,
+    )
+    if shared_experts:
+        modules["layers.*.moe.shared_experts"] = ModulePlan(
+            params={"w1": SpmdLayout({"tp": S(0)}), "w2": SpmdLayout({"tp": S(1)}), "w3": SpmdLayout({"tp": S(0)})},
+            output=rows_partial,
+        )
+    return dataclasses.replace(plan, modules=modules)

@@ -7,6 +7,8 @@ where the dense ``feed_forward`` would be::
     ├── router                TokenChoiceTopKRouter
     │   └── gate              nn.Linear(dim, num_experts, bias=False)
     ├── experts               GroupedExperts: w1 [E, hidden, dim], w2 [E, dim, hidden], w3 [E, hidden, dim]
+    ├── shared_experts        SharedExperts: w1 [hidden, dim], w2 [dim, hidden], w3 [hidden, dim], only with
+    │                         ``shared_hidden_dim > 0``
     ├── expert_bias           buffer [E], persistent (load balancing state, in checkpoints)
     └── tokens_per_expert     buffer [E], not persistent (this step's counts)
 
@@ -14,6 +16,14 @@ where the dense ``feed_forward`` would be::
   ``sigmoid``); the top ``top_k`` experts of ``scores + expert_bias`` are chosen, ties broken
   by the lower expert index (a stable descending sort); the gating weights are the chosen
   *unbiased* scores, divided by their sum when ``route_norm``, times ``route_scale``.
+- Group-limited routing (DeepSeek's ``n_group``/``topk_group``, upstream's node-limited
+  routing): the experts are ``n_group`` equal consecutive groups; each group's score is the sum
+  of its two largest ``scores + expert_bias`` (its largest, for groups of one expert); only the
+  ``topk_group`` best groups (ties: the lower group index) are eligible, the others' experts
+  are masked to ``-inf`` before the top-``top_k`` choice. ``n_group = 1``: no limit.
+- Shared experts (DeepSeek's ``n_shared_experts``): a dense SwiGLU of width
+  ``shared_hidden_dim`` (``n_shared_experts * moe_hidden_dim``) on every token, its output
+  added to the routed experts' (unweighted).
 - ``force_load_balance`` (``debug.moe_force_load_balance``): token ``t``'s ``j``-th choice is
   expert ``(t * top_k + j) % num_experts``, as upstream; the weights are those experts' scores.
 - Experts: SwiGLU per expert on the tokens routed to it, ``w2(silu(w1 x) * w3 x)``, scaled by
@@ -40,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["GroupedExperts", "MoE", "TokenChoiceTopKRouter", "TokenDispatcher", "grouped_mm_available", "top_k_by_index"]
+__all__ = ["GroupedExperts", "MoE", "SharedExperts", "TokenChoiceTopKRouter", "TokenDispatcher", "grouped_mm_available",
+           "limit_to_groups", "local_weight", "top_k_by_index"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -73,6 +84,12 @@ class TokenDispatcher(Protocol):
     def partial_axes(self) -> tuple[str, ...]:
         """The mesh axes over which :meth:`token_slice` splits the tokens (the block's output and
         the router gate's gradient are partial sums there); empty when it does not."""
+        ...
+
+    def sliced_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The block's routed output, declared what it is: under :meth:`token_slice` (this rank's
+        slice, zero outside it) a pending sum over :attr:`partial_axes` (``spmd_types``: ``V -> P`` on
+        ``tp``, so it adds to the shared experts' row-wise output, itself ``P`` there); else ``out``."""
         ...
 
 
@@ -113,10 +130,33 @@ def _local_gate(gate: torch.Tensor, expert_weight: torch.Tensor | None,
     return gate.to_local(grad_placements=grads)
 
 
+def local_weight(t: torch.Tensor, partial_axes: tuple[str, ...] = ()) -> torch.Tensor:
+    """A weight's local value inside a local region (:func:`_local`; a DTensor's ``to_local()``),
+    its gradient a pending sum (``Partial``) over ``partial_axes`` where it is replicated: a
+    replicated weight whose region's output is partial over those axes (the router's gate, MLA's
+    low-rank projections under tensor parallelism). A plain tensor is returned as it is."""
+    return _local_gate(t, None, partial_axes) if partial_axes else _local(t)
+
+
 def top_k_by_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the ``k`` largest of ``scores`` along the last dim, largest first; equal
     scores in expert-index order (a stable descending sort, so routing is deterministic)."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``choice`` ``[T, E]`` with every expert outside each token's ``topk_group`` best of ``n_group``
+    consecutive expert groups set to ``-inf`` (a group's score: the sum of its two largest entries,
+    or its largest for one-expert groups; ties to the lower group). ``n_group == 1``: ``choice``."""
+    if n_group <= 1:
+        return choice
+    tokens, experts = choice.shape
+    per_group = experts // n_group
+    grouped = choice.view(tokens, n_group, per_group)
+    group_score = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, per_group)].sum(-1)
+    keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=choice.device)
+    keep.scatter_(1, top_k_by_index(group_score, topk_group), True)
+    return choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -130,10 +170,14 @@ class TokenChoiceTopKRouter(nn.Module):
     """Each token picks its ``top_k`` experts; see the module docstring for the rule."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
-                 route_norm: bool = True, route_scale: float = 1.0) -> None:
+                 route_norm: bool = True, route_scale: float = 1.0, n_group: int = 1, topk_group: int = 1) -> None:
         super().__init__()
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"MoE router: n_group={n_group} must divide num_experts={num_experts} and "
+                             f"topk_group={topk_group} must be in 1 .. n_group.")
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.force_load_balance = False
 
@@ -152,7 +196,8 @@ class TokenChoiceTopKRouter(nn.Module):
             ids = torch.arange(t * self.top_k, device=x.device).view(t, self.top_k) % self.num_experts
         else:
             choice = scores if expert_bias is None else scores + expert_bias
-            ids = top_k_by_index(choice.detach(), self.top_k)
+            choice = limit_to_groups(choice.detach(), self.n_group, self.topk_group)
+            ids = top_k_by_index(choice, self.top_k)
         weights = scores.gather(-1, ids)
         if self.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -224,6 +269,25 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
 
+class SharedExperts(nn.Module):
+    """DeepSeek's shared experts: one SwiGLU ``w2(silu(w1 x) * w3 x)`` on every token (the
+    ``n_shared_experts`` experts fused into one of their summed width, as upstream and
+    transformers). Inside the MoE's local region, so it reads its weights' local values (under
+    tensor parallelism ``w1``/``w3`` column-wise and ``w2`` row-wise: the output is then a
+    pending sum over ``tp``, as the routed experts')."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(hidden_dim, dim))  # nn.Linear's layout, one module (one plan entry)
+        self.w2 = nn.Parameter(torch.empty(dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the shared SwiGLU to ``x`` ``[T, dim]``."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward of a block: ``[batch, seq, dim] -> [batch, seq, dim]``."""
 
@@ -231,11 +295,13 @@ class MoE(nn.Module):
     tokens_per_expert: torch.Tensor
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc = "softmax",
-                 route_norm: bool = True, route_scale: float = 1.0, load_balance_coeff: float | None = 1e-3) -> None:
+                 route_norm: bool = True, route_scale: float = 1.0, load_balance_coeff: float | None = 1e-3,
+                 n_group: int = 1, topk_group: int = 1, shared_hidden_dim: int = 0) -> None:
         super().__init__()
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func=score_func, route_norm=route_norm,
-                                            route_scale=route_scale)
+                                            route_scale=route_scale, n_group=n_group, topk_group=topk_group)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_experts = SharedExperts(dim, shared_hidden_dim) if shared_hidden_dim > 0 else None
         self.load_balance_coeff = load_balance_coeff
         if load_balance_coeff is not None:
             self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
@@ -260,4 +326,17 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 _local(self.tokens_per_expert).add_(counts.to(self.tokens_per_expert.dtype))
-        return self.experts(flat, weights, ids, counts).view(shape)
+        # The shared experts run first, so that in backward (autograd takes the later-created of two
+        # ready nodes first) the routed experts' output gets its gradient before the shared experts'
+        # saved activations are needed: FSDP's pre-backward hook of the (separately sharded) routed
+        # experts must run before selective activation checkpointing's recompute of the block starts,
+        # else the recompute takes it for a new forward (FSDP's root pre-forward and record_function
+        # calls the forward did not make: "invocation index 2 encountered during backward but not
+        # found in storage", expert parallelism with selective AC).
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        out = self.experts(flat, weights, ids, counts)
+        if self.experts.dispatcher is not None:  # typed outside the FSDP-wrapped experts (a view there warns)
+            out = self.experts.dispatcher.sliced_output(out)
+        if shared is not None:
+            out = out + shared
+        return out.view(shape)

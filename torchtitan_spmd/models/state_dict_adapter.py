@@ -35,7 +35,14 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["FROM_HF_FLAVOR", "HFConfigError", "StateDictAdapter", "rope_theta_of"]
+from torchtitan_spmd.models.rope import (
+    NO_SCALING,
+    RopeScaling,
+    rope_scaling_from_hf,
+    rope_scaling_to_hf,
+)
+
+__all__ = ["FROM_HF_FLAVOR", "HFConfigError", "StateDictAdapter", "rope_scaling_of", "rope_theta_of"]
 
 #: ``model.flavor`` value that builds the model config from the HF folder's ``config.json``.
 FROM_HF_FLAVOR = "from_hf"
@@ -55,9 +62,13 @@ def rope_theta_of(hf: Mapping[str, Any]) -> Any:
     return params.get("rope_theta", hf.get("rope_theta"))
 
 
-def _rope_type_of(hf: Mapping[str, Any]) -> Any:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return params.get("rope_type", params.get("type", "default"))
+def rope_scaling_of(hf: Mapping[str, Any], where: str = "config.json") -> RopeScaling:
+    """The RoPE scaling of a transformers config (:func:`~torchtitan_spmd.models.rope.rope_scaling_from_hf`),
+    an unsupported one an :class:`HFConfigError` naming the field and its value."""
+    try:
+        return rope_scaling_from_hf(hf, where=where)
+    except ValueError as e:
+        raise HFConfigError(str(e)) from None
 
 
 class StateDictAdapter:
@@ -90,9 +101,7 @@ class StateDictAdapter:
         "output.weight": "lm_head.weight",
     }
     #: config.json fields whose value must be exactly this (the model has no other variant).
-    fixed_fields: ClassVar[dict[str, Any]] = {
-        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
-    }
+    fixed_fields: ClassVar[dict[str, Any]] = {"attention_bias": False, "hidden_act": "silu"}
 
     def __init__(self, model_config: Any, hf_assets_path: str | None = None) -> None:
         self.model_config = model_config
@@ -196,7 +205,8 @@ class StateDictAdapter:
         return {
             "vocab_size": config.vocab_size, "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_theta, **self.family_fields(config),
+            "rope_theta": config.rope_theta,
+            "tie_word_embeddings": bool(getattr(config, "enable_weight_tying", False)), **self.family_fields(config),
         }
 
     def family_fields(self, config: Any) -> dict[str, Any]:
@@ -210,7 +220,7 @@ class StateDictAdapter:
         theta = fields.pop("rope_theta")
         return {
             "architectures": [self.architecture], "model_type": self.model_type, **fields, **self.fixed_fields,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta,
+            "rope_parameters": rope_scaling_to_hf(getattr(c, "rope_scaling", NO_SCALING), theta), "rope_theta": theta,
             "max_position_embeddings": c.max_seq_len, "dtype": dtype, "torch_dtype": dtype,
             "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
         }
@@ -222,22 +232,24 @@ class StateDictAdapter:
         for name, want in self.fixed_fields.items():
             if name in hf and hf[name] != want:
                 raise HFConfigError(f"{where}: {name}={hf[name]!r} is not supported: this model has {name}={want!r}.")
-        rope_type = _rope_type_of(hf)
-        if rope_type != "default":
-            raise HFConfigError(f"{where}: rope_parameters.rope_type={rope_type!r} is not supported: this model "
-                                "implements the default RoPE only ('default').")
+        rope_scaling_of(hf, where)
 
     def check_hf_config(self, hf: Mapping[str, Any], *, where: str = "config.json", flavor: str = "") -> None:
         """Raise :class:`HFConfigError` naming the first field of ``hf`` (a parsed ``config.json``)
         that differs from this adapter's model config, with both values."""
         self._check_variant(hf, where)
         for name, ours in self.config_fields(self.model_config).items():
-            theirs = rope_theta_of(hf) if name == "rope_theta" else hf.get(name, ours if name == "head_dim" else None)
+            default = ours if name == "head_dim" else False if name == "tie_word_embeddings" else None
+            theirs = rope_theta_of(hf) if name == "rope_theta" else hf.get(name, default)
             same = (isinstance(ours, float) and isinstance(theirs, int | float)
                     and abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours))) or theirs == ours
             if not same:
                 raise HFConfigError(f"{where}: {name}={theirs!r}, but model.flavor={flavor!r} has {name}={ours!r}; "
                                     f"use the matching flavour or --model.flavor {FROM_HF_FLAVOR}.")
+        ours_s, theirs_s = getattr(self.model_config, "rope_scaling", NO_SCALING), rope_scaling_of(hf, where)
+        if ours_s != theirs_s:
+            raise HFConfigError(f"{where}: the RoPE scaling is {theirs_s!r}, but model.flavor={flavor!r} has "
+                                f"{ours_s!r}; use the matching flavour or --model.flavor {FROM_HF_FLAVOR}.")
 
     @classmethod
     def model_config_from_hf(cls, hf: Mapping[str, Any], *, where: str = "config.json") -> Any:

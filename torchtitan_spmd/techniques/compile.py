@@ -23,8 +23,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CompileConfig, JobConfig
-
-    from ..distributed.representation import TensorRepresentation
+    from torchtitan_spmd.distributed.representation import TensorRepresentation
 
 __all__ = ["COMPILE_COMPONENTS", "apply_compile", "maybe_compile_loss", "validate_compile"]
 
@@ -67,7 +66,7 @@ def apply_compile(model: nn.Module, compile_config: CompileConfig, *, fullgraph:
     """Compile every block of ``model.layers`` in place (``fullgraph=True``); returns ``model``.
 
     ``fullgraph=False`` under expert parallelism: the experts are their own FSDP units inside
-    the block (``expert_parallel.apply_expert_fsdp``), and FSDP's hooks are ``torch._dynamo.disable``d
+    the block (``fsdp.apply_fsdp`` shards the experts first), and FSDP's hooks are ``torch._dynamo.disable``d
     (measured, torch 2.14: ``Unsupported: Call to torch._dynamo.disable()`` with fullgraph), so
     Dynamo breaks the graph around them and around the exchange's data-dependent splits."""
     layers = getattr(model, "layers", None)

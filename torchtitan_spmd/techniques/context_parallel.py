@@ -54,11 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.config.backends import backend_names
-
-from ..distributed.parallel_dims import seq_len_divisor as _seq_len_divisor
-from ..distributed.plan import ShardingPlan, fqn_matches
-from ..distributed.representation import get_representation
+from torchtitan_spmd.config.backends import backend_names, resolve_backend
+from torchtitan_spmd.distributed.parallel_dims import seq_len_divisor as _seq_len_divisor
+from torchtitan_spmd.distributed.plan import ShardingPlan, fqn_matches
+from torchtitan_spmd.distributed.representation import get_representation
 
 try:  # torch >= 2.9
     from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
@@ -67,8 +66,7 @@ except ImportError:  # pragma: no cover - older torch kept it one level up
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig, ParallelismConfig
-
-    from ..distributed.parallel_dims import ParallelDims
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "LOAD_BALANCERS",
@@ -112,7 +110,7 @@ def validate_cp_backend(parallelism: ParallelismConfig) -> None:
     if parallelism.context_parallel_degree <= 1:
         return
     backends = context_parallel_backends()
-    if parallelism.spmd_backend not in backends:
+    if resolve_backend(parallelism.spmd_backend) not in backends:  # a spelling such as partial_dtensor
         wanted = " or ".join(f"parallelism.spmd_backend={b!r}" for b in backends) or "a backend with CP"
         raise ValueError(
             f"Context Parallel requires {wanted}, got {parallelism.spmd_backend!r} "

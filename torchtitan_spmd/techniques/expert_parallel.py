@@ -8,7 +8,8 @@ As upstream torchtitan (a0c831c49), ``ep`` borrows its ranks from ``dp_shard * c
   ``r * E/ep ... (r + 1) * E/ep - 1`` (:meth:`TensorRepresentation.distribute_experts`, a
   DTensor or a typed local shard per backend); their checkpointed shape is the global one;
 - FSDP2 shards those weights over ``efsdp`` (``dp_replicate x efsdp`` for HSDP), one
-  ``fully_shard`` per expert module before the blocks' (:func:`apply_expert_fsdp`); every other
+  ``fully_shard`` per expert module before the blocks' (:func:`~torchtitan_spmd.techniques.fsdp.apply_fsdp`
+  shards the experts first); every other
   parameter is FSDP-sharded over ``fsdp`` as without EP;
 - in the forward, each rank routes its own tokens, sorts the (token, choice) rows by global
   expert, and :class:`AllToAllDispatcher` sends each row to the rank holding its expert: the
@@ -56,28 +57,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, MutableMapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtitan_spmd.config.backends import backend as backend_record
+from torchtitan_spmd.distributed.expert_exchange import ExpertExchange
+from torchtitan_spmd.distributed.layout import S, SpmdLayout
+from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
 from torchtitan_spmd.models.moe import GroupedExperts
-
-from ..distributed.layout import S, SpmdLayout
-from ..distributed.representation import StateLayout, TensorRepresentation
-from .fsdp import clear_dtensor_sharding_caches
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
-
-    from ..distributed.parallel_dims import ParallelDims
-    from ..distributed.plan import ShardingPlan
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+    from torchtitan_spmd.distributed.plan import ShardingPlan
 
 __all__ = [
     "EXPERT_LAYOUT",
@@ -85,7 +80,6 @@ __all__ = [
     "AllToAllDispatcher",
     "DispatchState",
     "ExpertExchange",
-    "apply_expert_fsdp",
     "apply_expert_parallel",
     "expert_modules",
     "expert_parallel_plan",
@@ -165,36 +159,6 @@ class DispatchState:
     received: list[int]
 
 
-class ExpertExchange:
-    """The collectives of expert parallelism over the ``ep`` group: torch's ``all_to_all_single``
-    (the rows' through the functional collectives, with autograd: the backward is the transposed
-    all-to-all). The group's timeout applies. A representation may type them (``spmd_types``)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Rank ``r`` gets chunk ``r`` of every rank's ``counts`` (even chunks; no gradient)."""
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
-        return received
-
-    def expert_side(self) -> AbstractContextManager[None]:
-        """The context from dispatch to combine (``spmd_types``: the ``ep`` mesh current)."""
-        return nullcontext()
-
-    def expert_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The local experts' output rows, before the combine (``spmd_types``: typed ``P`` on ``ep``)."""
-        return out
-
-    def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], *,
-             combine: bool) -> torch.Tensor:
-        """``input_splits[r]`` rows to rank ``r``, ``output_splits[r]`` from it (``combine``: the way
-        back, after the experts)."""
-        out = funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, self.group)
-        return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
 class AllToAllDispatcher:
     """The expert-parallel token exchange of one MoE block over the ``ep`` group
     (the :class:`~torchtitan_spmd.models.moe.TokenDispatcher` of its :class:`GroupedExperts`).
@@ -225,6 +189,10 @@ class AllToAllDispatcher:
         rank, size = self.tp
         return slice(rank * num_tokens // size, (rank + 1) * num_tokens // size)
 
+    def sliced_output(self, out: torch.Tensor) -> torch.Tensor:
+        """See :meth:`TokenDispatcher.sliced_output` (the exchange's :meth:`ExpertExchange.sliced_output`)."""
+        return self.exchange.sliced_output(out)
+
     def counts_from_every_rank(self, counts: torch.Tensor) -> torch.Tensor:
         """``[ep, local_experts]``: how many rows each rank sends to each of this rank's experts
         (one all-to-all of the ``num_experts`` counts; no gradient)."""
@@ -234,6 +202,7 @@ class AllToAllDispatcher:
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """See :meth:`TokenDispatcher.dispatch`: the rows of this rank's experts, local-expert-major."""
+        counts = self.exchange.expert_counts(counts)
         by_rank = self.counts_from_every_rank(counts)
         sent = counts.view(self.ep, self.local_experts).sum(dim=1).tolist()
         received = by_rank.sum(dim=1).tolist()
@@ -294,30 +263,3 @@ def apply_expert_parallel(model: nn.Module, representation: TensorRepresentation
             states[key] = StateLayout(EXPERT_LAYOUT, states[key].global_shape)
             experts._parameters[name] = representation.distribute_experts(experts._parameters[name])  # type: ignore[arg-type]
         experts.dispatcher = AllToAllDispatcher(representation.expert_exchange(group), experts.num_experts, tp)
-
-
-def apply_expert_fsdp(model: nn.Module, representation: TensorRepresentation, *,
-                      param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                      reshard_after_forward: bool | None = None) -> list[nn.Module]:
-    """``fully_shard`` every expert module over the representation's expert FSDP mesh
-    (``efsdp``, with ``dp_replicate`` for HSDP) with the dense units' mixed-precision policy,
-    before :func:`~torchtitan_spmd.techniques.fsdp.apply_fsdp` shards the blocks over ``fsdp``
-    (which then leaves the expert weights to these units); returns the units. No-op without
-    expert parallelism."""
-    spec = representation.expert_fsdp_spec()
-    if spec is None:
-        return []
-    kwargs: dict[str, Any] = {
-        "mesh": spec.mesh, "reshard_after_forward": reshard_after_forward,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                          cast_forward_inputs=False),
-    }
-    if spec.dp_mesh_dims is not None:
-        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
-        kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
-    units = [m for _, m in expert_modules(model)]
-    for unit in units:
-        fully_shard(unit, **kwargs)
-        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
-    return units

@@ -26,8 +26,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..distributed.plan import ShardingPlan
-from ..distributed.representation import TensorRepresentation
+from torchtitan_spmd.distributed.plan import ShardingPlan
+from torchtitan_spmd.distributed.representation import FsdpSpec, TensorRepresentation
+
+from .expert_parallel import expert_modules
 
 __all__ = ["apply_fsdp", "clear_dtensor_sharding_caches", "set_gradient_sync"]
 
@@ -45,37 +47,55 @@ def clear_dtensor_sharding_caches() -> None:
         clear_native()
 
 
+def _shard(units: Sequence[nn.Module], spec: FsdpSpec, *, param_dtype: torch.dtype,
+           reduce_dtype: torch.dtype, reshard_after_forward: bool | None) -> None:
+    """``fully_shard`` each of ``units`` in order over ``spec``'s mesh, gradients summed
+    (never divided) and reduced as plain sums (gloo has no ``PREMUL_SUM``)."""
+    kwargs: dict[str, Any] = {
+        "mesh": spec.mesh, "reshard_after_forward": reshard_after_forward,
+        # forward inputs are not cast, as upstream: the model casts what it needs
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                          cast_forward_inputs=False),
+    }
+    if spec.dp_mesh_dims is not None:
+        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
+        kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
 def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepresentation, *,
                param_dtype: torch.dtype = torch.float32,
                reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: bool | None = None,
                roots: Sequence[nn.Module] | None = None) -> nn.Module:
-    """Shard ``model``'s parameters with FSDP2 per ``representation.fsdp_spec()``; no-op without DP.
+    """Shard ``model``'s parameters with FSDP2 as the representation says; no-op without DP.
+
+    1. With expert parallelism, every expert module (:func:`expert_modules`) over the
+       representation's expert FSDP mesh (``representation.expert_fsdp_spec()``: ``efsdp``,
+       with ``dp_replicate`` for HSDP), first: the blocks' units then leave the expert
+       weights to them.
+    2. Each module matching the plan's ``fsdp_units``, then the ``roots``, over
+       ``representation.fsdp_spec()``.
 
     ``reshard_after_forward``: ``fully_shard``'s (None: its default); False under pipeline
     parallelism, as upstream (a stage's parameters stay gathered between its microbatches'
     forwards and backwards). ``roots``: the FSDP roots after the units (default ``[model]``;
     under a looped pipeline schedule, the rank's stage modules).
 
-    ``param_dtype``/``reduce_dtype``: the ``MixedPrecisionPolicy`` (forward inputs are
-    not cast, as upstream: the model casts what it needs).
+    ``param_dtype``/``reduce_dtype``: the ``MixedPrecisionPolicy`` of every unit, experts included.
     """
+    policy = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
+              "reshard_after_forward": reshard_after_forward}
+    expert_spec = representation.expert_fsdp_spec()
+    if expert_spec is not None:
+        _shard([m for _, m in expert_modules(model)], expert_spec, **policy)
     spec = representation.fsdp_spec()
-    if spec is None:
-        return model
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                     cast_forward_inputs=False)
-    kwargs: dict[str, Any] = {"mesh": spec.mesh, "mp_policy": mp_policy,
-                              "reshard_after_forward": reshard_after_forward}
-    if spec.dp_mesh_dims is not None:
-        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
-        kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
-    units = [*plan.fsdp_unit_modules(model), *(roots if roots is not None else [model])]
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    if spec is not None:
+        _shard([*plan.fsdp_unit_modules(model), *(roots if roots is not None else [model])], spec, **policy)
     return model
 
 

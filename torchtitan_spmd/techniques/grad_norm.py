@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..distributed.representation import TensorRepresentation
+from torchtitan_spmd.distributed.representation import TensorRepresentation
 
-__all__ = ["clip_grad_norm_", "global_grad_norm"]
+__all__ = ["clip_grad_norm_", "global_grad_norm", "parameter_grad_norms"]
 
 
 def _without_partial(g: DTensor) -> DTensor:
@@ -70,6 +70,27 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], representation: TensorR
         dist.all_reduce(sub, group=group)
         sums[idx] = sub
     return _over_stages(sums.sum(), stage_group).sqrt().cpu()
+
+
+def parameter_grad_norms(named_parameters: Iterable[tuple[str, torch.Tensor]],
+                         representation: TensorRepresentation) -> dict[str, float]:
+    """Each gradient's full 2-norm (of the whole, unsharded tensor), by parameter name; equal on
+    every rank that holds the parameter.
+
+    For debugging and parity checks: one all-reduce per parameter and group it is sharded over
+    (the same groups as :func:`global_grad_norm`), so every rank holding the same parameters
+    must call it. A parameter without a gradient is left out.
+    """
+    out: dict[str, float] = {}
+    for name, p in named_parameters:
+        if p.grad is None:
+            continue
+        local, groups = _local_and_groups(p, representation)
+        square = local.detach().double().pow(2).sum()
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        out[name] = float(square.sqrt())
+    return out
 
 
 def _over_stages(squares: torch.Tensor, stage_group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed.layout import SpmdLayout
-from ..distributed.representation import TensorRepresentation
+from torchtitan_spmd.distributed.layout import SpmdLayout
+from torchtitan_spmd.distributed.representation import TensorRepresentation
 
 __all__ = [
     "IGNORE_INDEX",

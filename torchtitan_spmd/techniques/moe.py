@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.distributed.representation import TensorRepresentation
 from torchtitan_spmd.models.moe import MoE
-
-from ..distributed.representation import TensorRepresentation
 
 __all__ = ["ExpertLoad", "moe_blocks", "set_force_load_balance", "update_expert_bias"]
 

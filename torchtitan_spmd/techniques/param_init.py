@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..distributed.apply_plan import resolve_state
-from ..distributed.representation import StateLayout, TensorRepresentation
+from torchtitan_spmd.distributed._mesh_compat import outside_local_tensor_mode
+from torchtitan_spmd.distributed.apply_plan import resolve_state
+from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
 
 __all__ = ["InitializableModel", "init_weights"]
 
@@ -46,7 +47,8 @@ def init_weights(model: nn.Module, states: Mapping[str, StateLayout], representa
     representation.materialize(model, states, device)
     for fqn, state in states.items():
         view = representation.to_dtensor(_state(model, fqn), state)
-        full = model.initial_value(fqn, state.global_shape, seed)  # type: ignore[operator]
+        with outside_local_tensor_mode():  # one full value, not one draw per simulated rank
+            full = model.initial_value(fqn, state.global_shape, seed)  # type: ignore[operator]
         if tuple(full.shape) != tuple(state.global_shape):
             raise ValueError(f"{type(model).__name__}.initial_value({fqn!r}) has shape {tuple(full.shape)}, "
                              f"expected {tuple(state.global_shape)}.")

@@ -21,6 +21,8 @@ does not depend on the stage), the loss is computed on the last stage, and
 :meth:`PipelineParallel.global_loss` / the ``stage_group`` of :func:`~.grad_norm.clip_grad_norm_`
 sum the loss and the squared gradient norm over ``pp`` too, so every rank logs the true global
 values. Gradient accumulation runs the schedule once per ``training.local_batch_size`` rows.
+Validation runs the same schedule forward only (torch's ``eval``, :meth:`PipelineParallel.evaluate`),
+its token-weighted loss agreed as the training loss is.
 
 Built: every schedule of ``get_schedule_class`` (measured on gloo) under every backend whose
 registry record says ``pipeline_parallel``. Under a multi-stage schedule a rank's stages are views
@@ -51,14 +53,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.apply_plan import plain_fqn
-from ..distributed.plan import ShardingPlan, boundary_dst, fqn_matches
+from torchtitan_spmd.distributed.apply_plan import plain_fqn
+from torchtitan_spmd.distributed.plan import ShardingPlan, boundary_dst, fqn_matches
 
 if TYPE_CHECKING:
-    from ..distributed.layout import SpmdLayout
-    from ..distributed.representation import TensorRepresentation
+    from torchtitan_spmd.distributed.layout import SpmdLayout
+    from torchtitan_spmd.distributed.representation import TensorRepresentation
 
 __all__ = [
+    "PipelineStages",
+    "model_part_names",
     "BUILT_SCHEDULES",
     "CSV_BASE_SCHEDULES",
     "PipelineParallel",
@@ -270,14 +274,20 @@ def states_of(module: nn.Module, states: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in states.items() if k in names}
 
 
-def _check_fqns(parts: Sequence[Sequence[str]], model: nn.Module) -> None:
-    """Every name of ``parts`` a top-level module or a ``layers`` entry of ``model``, each in one part."""
+def model_part_names(model: nn.Module) -> list[str]:
+    """``model``'s top-level modules, with each entry of a ``ModuleDict``/``ModuleList`` (``layers.<i>``)."""
     known = []
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleDict | nn.ModuleList):
             known.extend(f"{name}.{key}" for key, _ in child.named_children())
         else:
             known.append(name)
+    return known
+
+
+def _check_fqns(parts: Sequence[Sequence[str]], known: Sequence[str]) -> None:
+    """Every name of ``parts`` one of the model's ``known`` part names, each in exactly one part."""
+    known = list(known)
     seen: dict[str, int] = {}
     for i, part in enumerate(parts):
         for name in part:
@@ -370,7 +380,7 @@ class StageBoundaries:
                   checked: Callable[[], AbstractContextManager[None]] | None = None) -> StageBoundaries:
         """The boundaries ``plan`` declares; ``ValueError`` (at setup) where it declares none, or
         one that is not what its input module (``tok_embeddings``) produces."""
-        from ..distributed.inputs import LABELS, POSITIONS, TOKENS
+        from torchtitan_spmd.distributed.inputs import LABELS, POSITIONS, TOKENS
 
         layout = plan.stage_boundary
         if layout is None:
@@ -427,50 +437,36 @@ class StageBoundaries:
         return None if x is None else self.representation.to_local(x)
 
 
-@dataclass
-class PipelineParallel:
-    """This rank's pipeline: its stage, its part of the model and the schedule (see the module docstring).
-
-    Build with :meth:`from_config` (None without PP), then :meth:`split` the meta model,
-    parallelize the part, and :meth:`build_schedule`; :meth:`forward_backward` runs one
-    local batch through the schedule.
-    """
+@dataclass(frozen=True)
+class PipelineStages:
+    """The validated pipeline of a config, the same on every rank: how many stages, which
+    modules each holds, the schedule and the microbatches. Built by :meth:`from_config`
+    before any mesh; :meth:`PipelineParallel.from_stages` binds it to this rank's ``pp`` rank."""
 
     schedule_name: str
     num_stages: int
-    #: This rank's stages (one for single-stage schedules; ``pp_rank + s * pp`` for looped
-    #: ones, ``(pp_rank, num_stages - 1 - pp_rank)`` for the V-shaped ones), in order.
-    stage_indices: list[int]
-    #: The module names of each of this rank's stages.
-    module_names: list[list[str]]
+    pp: int
+    #: Whether the schedule places stages in a V (``ZBVZeroBubble``, ``DualPipeV``): 2 a rank.
+    v_shaped: bool
+    #: The module names of every stage, in stage order.
+    parts: tuple[tuple[str, ...], ...]
     n_microbatches: int
-    group: dist.ProcessGroup
-    schedule: Any = None
-    loss: _StepLoss | None = None
-    #: ``pipeline_parallel_schedule_csv``: the schedule's actions from this file (torch's
-    #: ``_PipelineScheduleRuntime``), "" for the schedule class of ``schedule_name``.
     schedule_csv: str = ""
-    #: The model's state-dict keys the other stages hold (set by :meth:`split`).
-    other_stage_keys: frozenset[str] = frozenset()
-    #: How the stages meet the schedule (set by :meth:`build_schedule`).
-    boundaries: StageBoundaries | None = None
-    _views: list[nn.Module] | None = None
 
-    @property
-    def is_first(self) -> bool:
-        """Whether this rank holds the first stage (it reads the tokens)."""
-        return 0 in self.stage_indices
-
-    @property
-    def is_last(self) -> bool:
-        """Whether this rank holds the last stage (it computes the loss)."""
-        return self.num_stages - 1 in self.stage_indices
+    def indices_of(self, pp_rank: int) -> list[int]:
+        """The stages ``pp_rank`` holds, in order: ``pp_rank + s * pp`` for looped schedules,
+        ``(pp_rank, num_stages - 1 - pp_rank)`` for the V-shaped ones."""
+        if self.v_shaped:
+            return [pp_rank, self.num_stages - 1 - pp_rank]
+        return [pp_rank + s * self.pp for s in range(self.num_stages // self.pp)]
 
     @classmethod
-    def from_config(cls, job_config: Any, parallel_dims: Any, model: nn.Module) -> PipelineParallel | None:
-        """Validate the ``parallelism.pipeline_parallel_*`` fields against the model (on the meta
-        device) and the mesh; None when ``pipeline_parallel_degree`` is 1. (Which backends run
-        PP is the representation's check, from the backend registry.)
+    def from_config(cls, job_config: Any, parallel_dims: Any,
+                    module_names: Sequence[str]) -> PipelineStages | None:
+        """Validate the ``parallelism.pipeline_parallel_*`` fields against the model's top-level
+        module names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``: the model
+        contract) and the degrees; None when ``pipeline_parallel_degree`` is 1. No mesh is
+        needed. (Which backends run PP is the representation's check, from the backend registry.)
         """
         par, training = job_config.parallelism, job_config.training
         pp = parallel_dims.pp
@@ -491,7 +487,7 @@ class PipelineParallel:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         single = issubclass(schedule_class, PipelineScheduleSingle)
-        num_layers = len(model.layers)  # type: ignore[arg-type]
+        num_layers = sum(1 for n in module_names if n.startswith("layers."))
         first, last = par.pipeline_parallel_first_stage_less_layers, par.pipeline_parallel_last_stage_less_layers
         layers_per_stage = par.pipeline_parallel_layers_per_stage
         if par.module_fqns_per_model_part is not None:
@@ -527,25 +523,72 @@ class PipelineParallel:
         parts = par.module_fqns_per_model_part
         if parts is None:
             parts = generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
-        _check_fqns(parts, model)
+        _check_fqns(parts, module_names)
         mb = par.pipeline_parallel_microbatch_size
         if training.local_batch_size % mb:
             raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
                              f"training.local_batch_size={training.local_batch_size}.")
-        pp_mesh = parallel_dims.get_mesh("pp")
-        pp_rank = pp_mesh.get_local_rank()
         from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-        if issubclass(schedule_class, ScheduleZBVZeroBubble | ScheduleDualPipeV):  # V-shaped: 2 stages a rank
-            if per_rank != 2:
-                raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} places 2 stages a rank, but "
-                                 f"{where} {num_stages} stages, {per_rank} a rank at pipeline_parallel_degree={pp}.")
-            indices = [pp_rank, num_stages - 1 - pp_rank]
-        else:
-            indices = [pp_rank + s * pp for s in range(per_rank)]
-        return cls(schedule_name=name, num_stages=num_stages, stage_indices=indices,
-                   module_names=[list(parts[i]) for i in indices], n_microbatches=training.local_batch_size // mb,
-                   group=pp_mesh.get_group(), schedule_csv=csv)
+        v_shaped = issubclass(schedule_class, ScheduleZBVZeroBubble | ScheduleDualPipeV)
+        if v_shaped and per_rank != 2:  # V-shaped: 2 stages a rank
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} places 2 stages a rank, but "
+                             f"{where} {num_stages} stages, {per_rank} a rank at pipeline_parallel_degree={pp}.")
+        return cls(schedule_name=name, num_stages=num_stages, pp=pp, v_shaped=v_shaped,
+                   parts=tuple(tuple(p) for p in parts), n_microbatches=training.local_batch_size // mb,
+                   schedule_csv=csv)
+
+
+@dataclass
+class PipelineParallel:
+    """This rank's pipeline: its stage, its part of the model and the schedule (see the module docstring).
+
+    Build with :meth:`from_config` (None without PP), then :meth:`split` the meta model,
+    parallelize the part, and :meth:`build_schedule`; :meth:`forward_backward` runs one
+    local batch through the schedule, :meth:`evaluate` the same forward only (validation).
+    """
+
+    schedule_name: str
+    num_stages: int
+    #: This rank's stages (one for single-stage schedules; ``pp_rank + s * pp`` for looped
+    #: ones, ``(pp_rank, num_stages - 1 - pp_rank)`` for the V-shaped ones), in order.
+    stage_indices: list[int]
+    #: The module names of each of this rank's stages.
+    module_names: list[list[str]]
+    n_microbatches: int
+    group: dist.ProcessGroup
+    schedule: Any = None
+    loss: _StepLoss | None = None
+    #: ``pipeline_parallel_schedule_csv``: the schedule's actions from this file (torch's
+    #: ``_PipelineScheduleRuntime``), "" for the schedule class of ``schedule_name``.
+    schedule_csv: str = ""
+    #: The model's state-dict keys the other stages hold (set by :meth:`split`).
+    other_stage_keys: frozenset[str] = frozenset()
+    #: How the stages meet the schedule (set by :meth:`build_schedule`).
+    boundaries: StageBoundaries | None = None
+    _views: list[nn.Module] | None = None
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (it reads the tokens)."""
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+    @classmethod
+    def from_stages(cls, stages: PipelineStages | None, parallel_dims: Any) -> PipelineParallel | None:
+        """This rank's pipeline from the validated ``stages`` (None without PP): its stage
+        indices from its ``pp`` rank. ``parallel_dims`` must have built its meshes."""
+        if stages is None:
+            return None
+        pp_mesh = parallel_dims.get_mesh("pp")
+        indices = stages.indices_of(pp_mesh.get_local_rank())
+        return cls(schedule_name=stages.schedule_name, num_stages=stages.num_stages, stage_indices=indices,
+                   module_names=[list(stages.parts[i]) for i in indices], n_microbatches=stages.n_microbatches,
+                   group=pp_mesh.get_group(), schedule_csv=stages.schedule_csv)
 
     def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
         """This stage's part of ``model`` (meta) and the plan restricted to it."""
@@ -617,6 +660,24 @@ class PipelineParallel:
         ``positions``: the tokens' RoPE positions (context parallelism), given to every stage.
         Returns the sum of its microbatch losses on the last stage, 0 elsewhere (no gradient).
         """
+        return self._run(False, inputs, targets, token_count, positions)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 token_count: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one local batch forward only, through the schedule's ``eval`` (torch's forward-only
+        iteration of the same schedule: no backward, no gradient), the loss on the last stage.
+
+        As :meth:`forward_backward`, each microbatch's loss is its share of the global mean
+        (its per-token loss sum over ``token_count``, the validation batch's global label count),
+        so their sum is token-weighted whatever each microbatch's count. Call under
+        ``torch.no_grad`` with the stages in eval mode. Returns the sum on the last stage, 0
+        elsewhere; :meth:`global_loss` then agrees it over ``pp``.
+        """
+        return self._run(True, inputs, targets, token_count, positions)
+
+    def _run(self, forward_only: bool, inputs: torch.Tensor, targets: torch.Tensor,
+             token_count: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """One schedule iteration (``step``, or ``eval`` when ``forward_only``): the summed losses."""
         assert self.loss is not None and self.schedule is not None
         self.loss.token_count = token_count
         if self.boundaries is not None:  # the schedule splits and sends plain local tensors
@@ -624,9 +685,12 @@ class PipelineParallel:
             positions = self.boundaries.to_local(positions)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        kwargs = {"positions": positions} if positions is not None else {}
-        self.schedule.step(*args, target=targets if self.is_last else None,
-                           losses=losses if self.is_last else None, return_outputs=False, **kwargs)
+        kwargs: dict[str, Any] = {"positions": positions} if positions is not None else {}
+        target, out = (targets, losses) if self.is_last else (None, None)
+        if forward_only:  # torch's eval takes no return_outputs (a keyword would be a model input)
+            self.schedule.eval(*args, target=target, losses=out, **kwargs)
+        else:
+            self.schedule.step(*args, target=target, losses=out, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=targets.device)
         return torch.stack([x.detach().float() for x in losses]).sum()

@@ -38,6 +38,8 @@ def local_view(x: Any, output: tuple[Any, ...], cache: dict[tuple[Any, ...], tup
     if not isinstance(x, DTensor):
         return x
     placements = x.placements
+    if torch.compiler.is_compiling():  # traced: no cache (a mutated dict is a guard and a side effect)
+        return x.to_local(grad_placements=local_grad_placements(placements, output))
     if placements not in cache:
         cache[placements] = local_grad_placements(placements, output)
     return x.to_local(grad_placements=cache[placements])

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible
+from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible, check_weight_tying
+from torchtitan_spmd.models.rope import RopeScaling
 
 from .model import (
     Attention,
@@ -37,6 +38,10 @@ __all__ = [
     "validate",
 ]
 
+#: Llama 3.1's RoPE scaling (every 3.1, 3.2 and 3.3 checkpoint's ``rope_type="llama3"``).
+LLAMA31 = RopeScaling(kind="llama", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)
+
 #: Named model sizes. ``debugmodel`` is the same order as torchtitan's llama3
 #: debugmodel (~6M parameters); ``tiny`` is for fast tests. The vocabulary of
 #: both matches :class:`torchtitan_spmd.data.Tokenizer` (320 ids).
@@ -49,12 +54,27 @@ FLAVORS: dict[str, LlamaConfig] = {
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=64,
         ffn_dim_multiplier=None, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=512,
     ),
+    # Upstream's (a0c831c49) Llama 3.1 sizes: vocabulary 128256 (the tokenizer's replaces it),
+    # theta 500000 with Llama 3.1's RoPE scaling (factor 8, band 1..4 over 8192), 131072 positions.
+    "8B": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+        ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, rope_scaling=LLAMA31,
+    ),
+    "70B": LlamaConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+        ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, rope_scaling=LLAMA31,
+    ),
+    "405B": LlamaConfig(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+        ffn_dim_multiplier=1.2, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, rope_scaling=LLAMA31,
+    ),
 }
 
 
 def validate(config: LlamaConfig, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config`` evenly."""
     check_seq_len(config.max_seq_len, job_config)
+    check_weight_tying(config, job_config, parallel_dims)
     check_tp_divisible({
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.kv_heads,

@@ -28,6 +28,7 @@ from torchtitan_spmd.models.common import (
     GroupedQueryAttention,
     check_positive_ints,
 )
+from torchtitan_spmd.models.rope import NO_SCALING, RopeScaling
 
 __all__ = [
     "Attention",
@@ -54,6 +55,10 @@ class LlamaConfig:
         ffn_dim_multiplier: optional factor applied to the SwiGLU hidden width.
         norm_eps: epsilon of every RMSNorm.
         rope_theta: base of the rotary-embedding frequencies.
+        rope_scaling: how the RoPE frequencies are scaled (none, llama, yarn; see
+            :mod:`torchtitan_spmd.models.rope`).
+        enable_weight_tying: the output projection uses the embedding's weight (upstream's
+            field; transformers' ``tie_word_embeddings``). Refused with pipeline parallelism.
         max_seq_len: number of rows of the RoPE tables (longest sequence).
     """
 
@@ -67,8 +72,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
+    rope_scaling: RopeScaling = NO_SCALING
+    enable_weight_tying: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
         check_positive_ints("LlamaConfig", {
             n: getattr(self, n) for n in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len")
         })

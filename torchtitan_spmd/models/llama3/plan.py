@@ -13,4 +13,5 @@ __all__ = ["llama3_plan"]
 def llama3_plan(config: LlamaConfig | None = None, *, sequence_parallel: bool = True,
                 loss_parallel: bool = True) -> ShardingPlan:
     """The TP plan of :class:`~torchtitan_spmd.models.llama3.model.Transformer` (any flavour)."""
-    return decoder_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return decoder_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                        tied=config is not None and config.enable_weight_tying)

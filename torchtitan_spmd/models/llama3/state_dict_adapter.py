@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from torchtitan_spmd.models.state_dict_adapter import HFConfigError, StateDictAdapter, rope_theta_of
+from torchtitan_spmd.models.state_dict_adapter import (
+    HFConfigError,
+    StateDictAdapter,
+    rope_scaling_of,
+    rope_theta_of,
+)
 
 from .model import LlamaConfig
 
@@ -66,6 +71,8 @@ class Llama3StateDictAdapter(StateDictAdapter):
             n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=f["vocab_size"], multiple_of=hidden,
             ffn_dim_multiplier=None if base <= hidden else hidden / base, norm_eps=float(f["rms_norm_eps"]),
             rope_theta=float(rope_theta_of(hf) or 10000.0), max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+            rope_scaling=rope_scaling_of(hf, where),
+            enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
         )
         if config.ffn_hidden_dim != hidden:
             raise HFConfigError(f"{where}: intermediate_size={hidden} cannot be represented by this model "

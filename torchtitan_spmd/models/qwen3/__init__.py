@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible
+from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible, check_weight_tying
 
 from .model import Qwen3Attention, Qwen3Block, Qwen3Config, Qwen3Model, apply_rotary_emb_half
 from .plan import qwen3_plan
@@ -55,6 +55,29 @@ FLAVORS: dict[str, Qwen3Config] = {
         norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=512,
         num_experts=8, top_k=2, moe_hidden_dim=64, score_func="softmax", route_norm=True,
     ),
+    # Upstream's (a0c831c49) Qwen3 sizes: vocabulary 151936 (the tokenizer's replaces it), head_dim
+    # 128, theta 1e6, 4096 positions (30B-A3B: 262144); 0.6B and 1.7B tie their embeddings.
+    "0.6B": Qwen3Config(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096, enable_weight_tying=True,
+    ),
+    "1.7B": Qwen3Config(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=6144, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096, enable_weight_tying=True,
+    ),
+    "14B": Qwen3Config(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=128, hidden_dim=17408, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096,
+    ),
+    "32B": Qwen3Config(
+        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, hidden_dim=25600, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096,
+    ),
+    "30B-A3B": Qwen3Config(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=768, vocab_size=151936,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=262144,
+        num_experts=128, top_k=8, moe_hidden_dim=768, score_func="softmax", route_norm=True,
+    ),
 }
 
 #: The flavours with mixture-of-experts blocks (named in setup errors).
@@ -66,6 +89,7 @@ def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: Parallel
     evenly. (The MoE flavours run every parallelism here but EP, whose degree ``ParallelDims`` and the
     trainer reject, and pipeline parallelism with the other techniques.)"""
     check_seq_len(config.max_seq_len, job_config)
+    check_weight_tying(config, job_config, parallel_dims)
     sizes = {
         "model n_heads": config.n_heads,
         "model n_kv_heads": config.n_kv_heads,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.models import cpu_job_config
+from torchtitan_spmd.models import cpu_job_config, upstream_recipe
 
-__all__ = ["qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny"]
+__all__ = ["qwen3_0_6b", "qwen3_14b", "qwen3_1_7b", "qwen3_30b_a3b", "qwen3_32b", "qwen3_debugmodel",
+           "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny"]
 
 
 def qwen3_debugmodel() -> JobConfig:
@@ -28,3 +29,46 @@ def qwen3_moe_tiny() -> JobConfig:
     """The small MoE test model (``moe_tiny``: 2 layers, 8 experts, top-2): local batch 2 x 32 tokens,
     lr 3e-3, 10 steps (seconds on CPU)."""
     return cpu_job_config("qwen3", "moe_tiny", local_batch_size=2, seq_len=32, lr=3e-3)
+
+
+_EXTRAS = ("Upstream also: ChunkedCELoss (same loss here, unchunked), the profiler, a validator, c4 data "
+           "and ./assets/hf/<model> (see torchtitan_spmd.models.upstream_recipe).")
+
+
+def qwen3_0_6b() -> JobConfig:
+    """Upstream's Qwen3-0.6B recipe: flavour ``0.6B`` (tied embeddings), lr 3e-4, warm-up 2, local batch
+    4 x 4096, 10 steps, selective AC, checkpoints every 500."""
+    return upstream_recipe("qwen3", "0.6B", lr=3e-4, warmup_steps=2, local_batch_size=4, seq_len=4096, steps=10,
+                           checkpoint_interval=500, ac_mode="selective")
+
+
+def qwen3_1_7b() -> JobConfig:
+    """Upstream's Qwen3-1.7B recipe: flavour ``1.7B`` (tied embeddings), lr 8e-4, warm-up 20, local batch
+    4 x 4096, 100 steps, selective AC, checkpoints every 50."""
+    return upstream_recipe("qwen3", "1.7B", lr=8e-4, warmup_steps=20, local_batch_size=4, seq_len=4096, steps=100,
+                           checkpoint_interval=50, ac_mode="selective")
+
+
+def qwen3_14b() -> JobConfig:
+    """Upstream's Qwen3-14B recipe: flavour ``14B``, lr 8e-4, warm-up 600, local batch 4 x 4096, 3000 steps,
+    FSDP over every rank, full AC, checkpoints every 500."""
+    return upstream_recipe("qwen3", "14B", lr=8e-4, warmup_steps=600, local_batch_size=4, seq_len=4096, steps=3000,
+                           checkpoint_interval=500, ac_mode="full")
+
+
+def qwen3_32b() -> JobConfig:
+    """Upstream's Qwen3-32B recipe: flavour ``32B``, lr 8e-4, warm-up 600, local batch 2 x 4096, 3000 steps,
+    FSDP over every rank, full AC, checkpoints every 500."""
+    return upstream_recipe("qwen3", "32B", lr=8e-4, warmup_steps=600, local_batch_size=2, seq_len=4096, steps=3000,
+                           checkpoint_interval=500, ac_mode="full")
+
+
+def qwen3_30b_a3b() -> JobConfig:
+    """Upstream's Qwen3-30B-A3B recipe: flavour ``30B-A3B`` (128 experts, top-8), lr 8e-4, warm-up 600,
+    local batch 2 x 4096, 3000 steps, FSDP over every rank, full AC, checkpoints every 500."""
+    return upstream_recipe("qwen3", "30B-A3B", lr=8e-4, warmup_steps=600, local_batch_size=2, seq_len=4096,
+                           steps=3000, checkpoint_interval=500, ac_mode="full")
+
+
+for _recipe in (qwen3_0_6b, qwen3_1_7b, qwen3_14b, qwen3_32b, qwen3_30b_a3b):
+    _recipe.__doc__ = f"{_recipe.__doc__} {_EXTRAS}"

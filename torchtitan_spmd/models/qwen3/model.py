@@ -34,6 +34,7 @@ from torchtitan_spmd.models.common import (
     check_positive_ints,
 )
 from torchtitan_spmd.models.moe import MoE
+from torchtitan_spmd.models.rope import NO_SCALING, RopeScaling
 
 __all__ = ["Qwen3Attention", "Qwen3Block", "Qwen3Config", "Qwen3Model", "apply_rotary_emb_half"]
 
@@ -52,6 +53,10 @@ class Qwen3Config:
         vocab_size: number of token ids.
         norm_eps: epsilon of every RMSNorm (QK norms included).
         rope_theta: base of the rotary-embedding frequencies.
+        rope_scaling: how the RoPE frequencies are scaled (none, llama, yarn; see
+            :mod:`torchtitan_spmd.models.rope`).
+        enable_weight_tying: the output projection uses the embedding's weight (upstream's
+            field; transformers' ``tie_word_embeddings``). Refused with pipeline parallelism.
         max_seq_len: number of rows of the RoPE tables (longest sequence).
         num_experts: 0 for the dense model; otherwise every block's feed-forward is a mixture
             of this many experts (:class:`~torchtitan_spmd.models.moe.MoE`).
@@ -82,6 +87,8 @@ class Qwen3Config:
     route_norm: bool = True
     route_scale: float = 1.0
     load_balance_coeff: float | None = 1e-3
+    rope_scaling: RopeScaling = NO_SCALING
+    enable_weight_tying: bool = False
 
     @property
     def moe_enabled(self) -> bool:
@@ -89,6 +96,8 @@ class Qwen3Config:
         return self.num_experts > 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"Qwen3Config.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
         self._check_moe()
         check_positive_ints("Qwen3Config", {
             n: getattr(self, n) for n in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",

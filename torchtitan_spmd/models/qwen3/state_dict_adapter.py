@@ -17,7 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchtitan_spmd.models.state_dict_adapter import HFConfigError, StateDictAdapter, rope_theta_of
+from torchtitan_spmd.models.state_dict_adapter import (
+    HFConfigError,
+    StateDictAdapter,
+    rope_scaling_of,
+    rope_theta_of,
+)
 
 from .model import Qwen3Config
 
@@ -100,7 +105,9 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             head_dim=hf.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
             hidden_dim=f["intermediate_size"], vocab_size=f["vocab_size"], norm_eps=float(f["rms_norm_eps"]),
             rope_theta=float(rope_theta_of(hf) or 1_000_000.0),
-            max_seq_len=int(hf.get("max_position_embeddings") or 2048), **extra,
+            max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+            rope_scaling=rope_scaling_of(hf, where),
+            enable_weight_tying=bool(hf.get("tie_word_embeddings", False)), **extra,
         )
 
 

@@ -36,6 +36,7 @@ Modules: :mod:`.mesh_context` (the library's current mesh), :mod:`.layout_types`
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,8 +50,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ....techniques.expert_parallel import ExpertExchange
 from ...apply_plan import resolve_state
+from ...expert_exchange import ExpertExchange
 from ...layout import SpmdLayout
 from ...representation import (
     FsdpSpec,
@@ -63,6 +64,18 @@ from .layout_types import annotate, distribute_tensor, layout_type, state_type, 
 from .mesh_context import active, axis_names, group
 from .redistribute import redistribute_per_axis, validate_redistributions
 from .typecheck import DeclaredTypes, spmd_train_context
+
+# spmd_types 0.3.1 calls torch's functional collectives by their deprecated names
+# (`all_gather_tensor`, `reduce_scatter_tensor`, ...), and torch says so with a FutureWarning
+# on every rank at the first collective of each kind: 8 lines a 4-rank run, about a package
+# the user does not call. Silence exactly those (spmd_types' own modules, that message), and
+# nothing a user's code or torch itself warns about otherwise.
+warnings.filterwarnings(
+    "ignore",
+    message=r"`torch\.distributed\.(_functional_collectives\.)?\w+` is deprecated\. Please use ",
+    category=FutureWarning,
+    module=r"spmd_types(\.|$)",
+)
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
@@ -82,6 +95,23 @@ __all__ = ["FSDP_MIN_TORCH", "REPRESENTATION", "TYPECHECK_AC_MIN_TORCH", "SpmdTy
 FSDP_MIN_TORCH = "2.14"
 #: Type checking through activation checkpointing (torch 2.11's checkpoint is not checkable).
 TYPECHECK_AC_MIN_TORCH = "2.13"
+#: The spmd_types line whose checker this library's typed plan passes. Measured on 0.2.3
+#: (upstream b5bcd76's pin): untyped training runs; the checker rejects the vocab-parallel
+#: loss's autograd Function (0.2.x requires register_local_autograd_function) and mixing
+#: P with I under FSDP (measured on the FSDP 2 x TP 2, FSDP 4, HSDP and TP 2 parity runs).
+TYPECHECK_MIN_SPMD_TYPES = (0, 3)
+
+
+def spmd_types_version() -> tuple[str, tuple[int, ...]]:
+    """The installed spmd_types version as text and as a tuple of its leading numbers."""
+    import importlib.metadata
+
+    try:
+        text = importlib.metadata.version("spmd-types")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - an unpackaged checkout
+        text = getattr(st, "__version__", "0")
+    numbers = tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+    return text, numbers
 
 _DP = "dp"
 #: Marks a parameter whose gradient hook is installed (hooks belong to the tensor object).
@@ -115,6 +145,14 @@ class SpmdTypesRepresentation(TensorRepresentation):
     def validate(self, job_config: JobConfig) -> None:
         super().validate(job_config)
         self._check_fsdp_support()
+        text, version = spmd_types_version()
+        if job_config.debug.spmd_typechecking and version[:2] < TYPECHECK_MIN_SPMD_TYPES:
+            raise ValueError(
+                f"debug.spmd_typechecking=True needs spmd_types >= 0.3 (installed: spmd-types {text}): "
+                "the 0.2 line's checker rejects this library's typed plan (its vocab-parallel loss "
+                "Function is unregistered there, and P does not mix with I under FSDP). Train "
+                "unchecked on 0.2.x (debug.spmd_typechecking=False), or pip install 'spmd-types>=0.3.1,<0.4'."
+            )
         mode = job_config.activation_checkpoint.mode
         if job_config.debug.spmd_typechecking and mode != "none":
             # Measured: on torch 2.11 the checker stops at torch.utils.checkpoint's

@@ -1,7 +1,7 @@
 """Expert parallelism's token exchange under ``spmd_types``, typed for the checker.
 
 See :class:`TypedExpertExchange`; the untyped exchange is
-:class:`~torchtitan_spmd.techniques.expert_parallel.ExpertExchange`.
+:class:`~torchtitan_spmd.distributed.expert_exchange.ExpertExchange`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from spmd_types import P, R, V
 from torch.distributed.device_mesh import DeviceMesh
 
-from ....techniques.expert_parallel import ExpertExchange
+from ...expert_exchange import ExpertExchange
 
 __all__ = ["TypedExpertExchange"]
 
@@ -62,7 +62,10 @@ class TypedExpertExchange(ExpertExchange):
     - the experts' output: ``P`` on ``ep`` (``reinterpret``): each rank holds its experts' share
       of the group's combined rows;
     - combine: the sparse reduce-scatter ``P -> S(0)`` on ``ep`` (:class:`_TypedCombine`), then
-      back to ``dp``.
+      back to ``dp``;
+    - under TP, the block's routed output (this rank's slice, zero elsewhere) ``V -> P`` on ``tp``
+      (:meth:`sliced_output`): the pending sum over ``tp`` it is, which the shared experts' row-wise
+      output (``P`` on ``tp``) adds to, and which the block's output layout declares.
 
     So a combine left out hands a pending sum (``P@ep``) to the block's ``dp``-typed arithmetic, an
     ``SpmdTypeError``. Without the checker it is the untyped exchange.
@@ -80,6 +83,17 @@ class TypedExpertExchange(ExpertExchange):
             x = st.reinterpret(x, self.split, src=R, dst=V, expert_mode=True)
         return st.reinterpret_mesh(x, axes)
 
+    def expert_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        # An op on the block's counts (typed on ``home``) under the expert side's mesh would
+        # auto-reinterpret them, which fails when ``ep`` spans ``dp_shard`` (V) and ``tp`` (R:
+        # the gathered tokens' counts): re-typed here first, as the rows are (``_to``).
+        return self._to(counts, self.sparse) if st.is_type_checking() else counts
+
+    def sliced_output(self, out: torch.Tensor) -> torch.Tensor:
+        if self.split is None or not st.is_type_checking():
+            return out
+        return st.reinterpret(out, self.split, src=V, dst=P)
+
     def expert_side(self) -> AbstractContextManager[None]:
         return st.set_current_mesh(self.sparse_mesh) if st.is_type_checking() else contextlib.nullcontext()
 
@@ -89,7 +103,7 @@ class TypedExpertExchange(ExpertExchange):
     def counts(self, counts: torch.Tensor) -> torch.Tensor:
         if not st.is_type_checking():
             return super().counts(counts)
-        by_rank = self._to(counts.contiguous().view(self.group.size(), -1), self.sparse)
+        by_rank = self._to(counts, self.sparse).contiguous().view(self.group.size(), -1)
         if st.get_local_type(by_rank).get(st.MeshAxis.of(self.group)) is R:  # moe_force_load_balance: equal everywhere
             by_rank = st.reinterpret(by_rank, self.group, src=R, dst=V, expert_mode=True)  # each rank its own copy
         # V -> V transposes the axis with dim 0: rank r gets row r of every rank's counts
