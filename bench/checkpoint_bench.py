@@ -89,7 +89,7 @@ def _timed_hashing(algorithm: str) -> dict[str, float]:
 def _worker(rank: int, world: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    from torchtitan_spmd.checkpoint.integrity import StopRequest
+    from torchtitan_spmd.tools.signals import StopRequest
     from torchtitan_spmd.train import Trainer
 
     spent = _timed_hashing(args.hash)

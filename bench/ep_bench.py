@@ -45,22 +45,13 @@ def _a2a_seconds(prof: Any) -> float:
     return total_us / 1e6
 
 
-def _worker(rank: int, world: int, ep: int, steps: int, layers: int, profile: bool) -> dict[str, Any]:
+def time_steps(trainer: Any, steps: int, profile: bool) -> tuple[dict[str, Any], Any]:
+    """Run ``steps`` steps of ``trainer`` (then, with ``profile``, one more under torch's profiler)
+    and close it: ``({"times", "peak_mib", "loss"[, "a2a_s", "profiled_s"]}, the last step's record)``.
+    ``bench/deepseek_ep_bench.py`` uses it too."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from torchtitan_spmd.train import Trainer
-
-    with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on, not the parent's
-        f.write("5")
-    qwen3.FLAVORS["debugmodel_moe"] = dataclasses.replace(qwen3.FLAVORS["debugmodel_moe"], n_layers=layers)
-    cfg = config_registry.qwen3_moe_debug()
-    cfg.parallelism.data_parallel_shard_degree = world
-    cfg.parallelism.expert_parallel_degree = ep
-    cfg.training.device = "cpu"
-    cfg.training.steps = steps + 1
-    cfg.debug.seed = 0
-    trainer = Trainer(cfg)
     times = []
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -74,6 +65,22 @@ def _worker(rank: int, world: int, ep: int, steps: int, layers: int, profile: bo
             wall = time.perf_counter() - start
         out["a2a_s"], out["profiled_s"] = _a2a_seconds(prof), wall
     trainer.close()
+    return out, record
+
+
+def _worker(rank: int, world: int, ep: int, steps: int, layers: int, profile: bool) -> dict[str, Any]:
+    from torchtitan_spmd.train import Trainer
+
+    with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on, not the parent's
+        f.write("5")
+    qwen3.FLAVORS["debugmodel_moe"] = dataclasses.replace(qwen3.FLAVORS["debugmodel_moe"], n_layers=layers)
+    cfg = config_registry.qwen3_moe_debug()
+    cfg.parallelism.data_parallel_shard_degree = world
+    cfg.parallelism.expert_parallel_degree = ep
+    cfg.training.device = "cpu"
+    cfg.training.steps = steps + 1
+    cfg.debug.seed = 0
+    out, _ = time_steps(Trainer(cfg), steps, profile)
     return out
 
 

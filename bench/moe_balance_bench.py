@@ -9,9 +9,9 @@ with ``load_balance_coeff`` 1e-3 (upstream's) against ``None`` (no bias) at the 
 
 - ``lr``: the job's learning rate for every parameter (``qwen3_moe_tiny``: 3e-3; upstream's
   ``qwen3_moe_debug``: 3e-4);
-- ``gate_lr``: the router gates' own learning rate (a second AdamW group, no weight decay), as
-  upstream's ``qwen3_debugmodel_moe_param_groups`` job trains ``.router.gate.`` with Adam at 1e-4;
-  the library's optimizer has one group, so this bench builds the two groups itself;
+- ``gate_lr``: the router gates' own learning rate, through ``optimizer.param_groups`` as
+  upstream's ``qwen3_debugmodel_moe_param_groups``: ``.router.gate.`` Adam at ``gate_lr``, the
+  rest AdamW at ``lr``;
 - ``batch``: the local batch (sequences of 32 tokens).
 
 Per step it reads each block's tokens per expert before the update and prints, at chosen steps,
@@ -43,14 +43,13 @@ from torchtitan_spmd.models.qwen3 import config_registry  # noqa: E402
 SHOW = (1, 5, 10, 20, 30, 40, 50)
 
 
-def _gate_groups_optimizer(gate_lr: float) -> Any:
-    def build(model: torch.nn.Module, config: Any) -> torch.optim.Optimizer:
-        gate = [p for n, p in model.named_parameters() if ".router.gate." in n]
-        rest = [p for n, p in model.named_parameters() if ".router.gate." not in n]
-        return torch.optim.AdamW([{"params": rest},
-                                  {"params": gate, "lr": gate_lr, "weight_decay": 0.0}],
-                                 lr=config.lr, eps=config.eps, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    return build
+def _gate_groups(lr: float, gate_lr: float, weight_decay: float) -> list[dict[str, Any]]:
+    """Upstream's ``qwen3_debugmodel_moe_param_groups`` groups, at the job's ``lr``: the router
+    gates Adam at ``gate_lr``, everything else AdamW (``optimizer.param_groups``)."""
+    return [{"pattern": r"\.router\.gate\.", "optimizer_name": "Adam",
+             "optimizer_kwargs": {"lr": gate_lr, "betas": (0.9, 0.95), "eps": 1e-8}},
+            {"pattern": ".*", "optimizer_name": "AdamW",
+             "optimizer_kwargs": {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}}]
 
 
 def _worker(rank: int, world: int, steps: int, lr: float, gate_lr: float | None, batch: int,
@@ -58,19 +57,21 @@ def _worker(rank: int, world: int, steps: int, lr: float, gate_lr: float | None,
     from torchtitan_spmd.techniques import moe as moe_mod
 
     qwen3.FLAVORS["moe_tiny"] = dataclasses.replace(qwen3.FLAVORS["moe_tiny"], load_balance_coeff=coeff)
-    if gate_lr is not None:
-        train_mod.build_optimizer = _gate_groups_optimizer(gate_lr)  # type: ignore[assignment]
     counts: list[list[list[int]]] = []
     update = moe_mod.update_expert_bias
 
-    def recording_update(model: torch.nn.Module, representation: Any) -> Any:
+    def recording_update(model: torch.nn.Module, representation: Any, **kwargs: Any) -> Any:
         counts.append([[int(c) for c in m.tokens_per_expert.tolist()] for m in moe_mod.moe_blocks(model)])
-        return update(model, representation)
+        return update(model, representation, **kwargs)
 
     train_mod.update_expert_bias = recording_update  # type: ignore[assignment]
     cfg = config_registry.qwen3_moe_tiny()
     cfg.training.steps, cfg.training.device, cfg.training.local_batch_size = steps, "cpu", batch
     cfg.optimizer.lr = lr
+    if gate_lr is not None:  # upstream's param groups, through the config
+        from torchtitan_spmd.config import ParamGroupConfig
+
+        cfg.optimizer.param_groups = [ParamGroupConfig(**g) for g in _gate_groups(lr, gate_lr, cfg.optimizer.weight_decay)]
     cfg.debug.seed = 0
     cfg.activation_checkpoint.mode = "none"
     train_mod.Trainer(cfg).run()

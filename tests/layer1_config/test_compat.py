@@ -153,6 +153,10 @@ def test_channel4_cli_flag_via_subprocess_is_visible_by_default() -> None:
     assert 'spmd_backend = "full_dtensor"' in proc.stdout
     assert proc.stderr.count("LegacySpellingWarning") == 1
     assert "--parallelism.spmd_backend full_dtensor" in proc.stderr
+    # run as `python -m`, no user frame calls the parse: the warning names the command line,
+    # not Python's `<frozen runpy>:88`
+    assert proc.stderr.startswith("<command line>:0: LegacySpellingWarning:"), proc.stderr
+    assert "runpy" not in proc.stderr
 
 
 # Channel 5: TOML key -----------------------------------------------------------------

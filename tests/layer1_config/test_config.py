@@ -37,9 +37,11 @@ _BF16_F32 = Literal["bfloat16", "float32"]
 
 UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
     TrainingConfig: [
-        ("local_batch_size", int, 8),
-        ("global_batch_size", int, -1),
-        ("seq_len", int, 2048),
+        # Typed ``int | None`` here: None means "not set", resolved on construction against
+        # the August token fields (one setting each); read back as upstream's ints.
+        ("local_batch_size", int | None, 8),
+        ("global_batch_size", int | None, -1),
+        ("seq_len", int | None, 2048),
         ("max_norm", float | int, 1.0),
         ("steps", int, 10000),
         ("enable_cpu_offload", bool, False),
@@ -58,7 +60,9 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
         ("disable_loss_parallel", bool, False),
         ("enable_async_tensor_parallel", bool, False),
         ("enable_sequence_parallel", bool, True),
-        ("spmd_backend", Literal["default", "full_dtensor", "spmd_types"], "default"),
+        # a0c831c49's choices plus b5bcd76's "partial_dtensor": upstream's own ConfigManager
+        # (an August fork's) takes the choices from this Literal (test_surface_august.py)
+        ("spmd_backend", Literal["default", "partial_dtensor", "full_dtensor", "spmd_types"], "default"),
         ("pipeline_parallel_degree", int, 1),
         ("module_fqns_per_model_part", list[list[str]] | None, None),
         ("pipeline_parallel_first_stage_less_layers", int, 1),
@@ -94,6 +98,7 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
         ("save_traces_folder", str, "comm_traces"),
         ("save_traces_file_prefix", str, "rank_"),
         ("mode", Literal["default", "fake_backend", "local_tensor", "torchcomms"], "default"),
+        ("fake_device_memory_gib", float, 80.0),
     ],
     DebugConfig: [
         ("seed", int | None, None),
@@ -132,7 +137,16 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
 #: This library's own fields inside torchtitan's sections (``dataset``, ``dataset_path``:
 #: torchtitan's ``[training]`` fields before a0c831c49 moved them to ``dataloader``).
 OURS = {TrainingConfig: ["device", "dataset", "dataset_path"],
-        ParallelismConfig: ["expert_tensor_parallel_degree"]}
+        ParallelismConfig: ["expert_tensor_parallel_degree"],
+        CheckpointConfig: ["trust_checkpoint_folder"]}
+#: Upstream b5bcd76's (August) fields, checked by tests/layer1_config/test_surface_august.py.
+for _cls, _names in {
+    TrainingConfig: ["num_tokens_per_microbatch_per_dp_rank", "num_tokens_per_train_step", "max_context_length",
+                     "disable_cuda_graphs"],
+    ParallelismConfig: ["num_pp_microbatches", "context_parallel_ptrr_mask_key"],
+    CompileConfig: ["enable_async_tensor_parallel"],
+}.items():
+    OURS[_cls] = [*OURS.get(_cls, []), *_names]
 
 
 @pytest.mark.parametrize("cls", list(UPSTREAM), ids=lambda c: c.__name__)
@@ -142,7 +156,7 @@ def test_sections_have_torchtitans_fields_types_and_defaults(cls: type) -> None:
     got = [(f.name, hints[f.name], getattr(instance, f.name)) for f in dataclasses.fields(cls)]
     ours = OURS.get(cls, [])
     assert [g for g in got if g[0] not in ours] == UPSTREAM[cls]
-    assert [g[0] for g in got if g[0] in ours] == ours
+    assert sorted(g[0] for g in got if g[0] in ours) == sorted(ours)
     assert all(f.kw_only for f in dataclasses.fields(cls))  # keyword-only, as torchtitan's
 
 
@@ -193,7 +207,7 @@ def test_field_docs_helper_sees_a_missing_docstring() -> None:
 def test_every_section_is_in_job_config() -> None:
     sections = JobConfig.section_types()
     assert set(UPSTREAM) <= set(sections.values())
-    assert list(sections) == [f.name for f in dataclasses.fields(JobConfig)]
+    assert [*JobConfig.root_fields(), *sections] == [f.name for f in dataclasses.fields(JobConfig)]
     assert JobConfig().model.name == "llama3" and JobConfig().model.flavor == "debugmodel"
 
 
@@ -222,8 +236,9 @@ def test_unknown_backend_rejected_on_assignment_too() -> None:
     assert p.spmd_backend == "default"
 
 
-def test_partial_dtensor_is_normalised_to_default() -> None:
-    assert ParallelismConfig(spmd_backend="partial_dtensor").spmd_backend == "default"  # type: ignore[arg-type]
+def test_partial_dtensor_reads_back_as_written() -> None:
+    p = ParallelismConfig(spmd_backend="partial_dtensor")  # type: ignore[arg-type]
+    assert (p.spmd_backend, p.backend_name) == ("partial_dtensor", "default")
 
 
 def test_sections_are_keyword_only() -> None:
@@ -388,7 +403,7 @@ def test_from_dict_roundtrip_covers_every_section() -> None:
     )
     again = JobConfig.from_dict(cfg.to_dict())
     assert again == cfg
-    assert set(cfg.to_dict()) == set(JobConfig.section_types())
+    assert set(cfg.to_dict()) == {*JobConfig.section_types(), *JobConfig.root_fields()}
 
 
 @pytest.mark.parametrize(

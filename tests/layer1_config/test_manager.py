@@ -145,8 +145,9 @@ def test_parse_overrides_leaves_the_given_config_alone() -> None:
 def test_partial_dtensor_is_accepted_through_tyro(spelling: str) -> None:
     args = [spelling] if "=" in spelling else [spelling, "partial_dtensor"]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an alias, not a deprecated spelling
-        assert parse(*FORK, *args).parallelism.spmd_backend == "default"
+        warnings.simplefilter("error")  # an alias, not a deprecated spelling (June surface)
+        parallelism = parse(*FORK, *args).parallelism
+    assert (parallelism.spmd_backend, parallelism.backend_name) == ("partial_dtensor", "default")  # as written
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def test_each_row_rejects_a_non_default_value(row: Unsupported) -> None:
 
 def test_every_problem_is_listed_with_its_path_in_a_forks_root() -> None:
     cfg = ConfigManager().parse_args(
-        [*FORK, "--activation_checkpoint.mode", "memory_budget", "--comm.mode", "fake_backend"]
+        [*FORK, "--activation_checkpoint.mode", "memory_budget", "--comm.mode", "torchcomms"]
     )
     with pytest.raises(ValueError) as err:
         check_supported(cfg)
@@ -103,8 +103,8 @@ def test_every_problem_is_listed_with_its_path_in_a_forks_root() -> None:
         "  activation_checkpoint.mode='memory_budget': memory-budget activation checkpointing (the "
         "compiler's min-cut recomputation) is not implemented by torchtitan_spmd yet; use 'selective', "
         "'none' or 'full'.",
-        "  comm.mode='fake_backend': communication modes other than 'default' is not implemented by "
-        "torchtitan_spmd yet; use 'default'.",
+        "  comm.mode='torchcomms': communication through torchcomms is not implemented by "
+        "torchtitan_spmd yet; use 'default', 'fake_backend' or 'local_tensor'.",
     ]
 
 

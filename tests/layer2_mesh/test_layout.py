@@ -50,7 +50,7 @@ def test_two_axes_on_one_dim_need_a_spec() -> None:
     ("kwargs", "exc", "needle"),
     [
         ({"axis_types": {"tp": "S(0)"}}, TypeError, "expected one of spmd_types R, I, V, P or S(dim)"),
-        ({"axis_types": {0: R}}, TypeError, "mesh-axis names must be str"),
+        ({"axis_types": {0: R}}, TypeError, "mesh axes must be names (str) or spmd_types MeshAxis objects, got int 0"),
         ({"axis_types": ["tp"]}, TypeError, "must be a mapping"),
         ({"axis_types": {"tp": R}, "partition_spec": ("tp",)}, ValueError, "spec axes must be V"),
         ({"partition_spec": ("tp", "tp")}, ValueError, "appears twice"),
@@ -61,6 +61,30 @@ def test_validation(kwargs: dict, exc: type[Exception], needle: str) -> None:
     with pytest.raises(exc) as err:
         SpmdLayout(**kwargs)
     assert needle in str(err.value)
+
+
+def test_keys_from_spmd_types_get_local_type() -> None:
+    """Upstream b5bcd76 builds ``SpmdLayout(axis_types=spmd.get_local_type(buf), ...)`` itself.
+
+    (``protocols/module.py``, across ``to_empty``: its trainer stopped here under spmd_types.)
+    The keys are spmd_types ``MeshAxis`` objects; a fake process group gives real ones.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    from spmd_types import PartitionSpec, assert_type, get_local_type, normalize_axis
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tp = (normalize_axis(mesh.get_group(n)) for n in ("dp", "tp"))
+        t = torch.zeros(4, 2)
+        assert_type(t, {dp: R, tp: V}, partition_spec=PartitionSpec(tp, None))
+        layout = SpmdLayout(axis_types=get_local_type(t), partition_spec=PartitionSpec(tp, None))
+        assert dict(layout.axis_types) == {dp: R, tp: V} and layout.partition_spec == (tp, None)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_v_has_no_dtensor_placement() -> None:

@@ -149,7 +149,7 @@ def test_works_without_compat(tmp_path: Path) -> None:
         # Layering: parallel_dims imports config, compat and layout, never the runtime.
         import sys
         allowed = {
-            "torchtitan_spmd", "torchtitan_spmd._errors", "torchtitan_spmd.distributed",
+            "torchtitan_spmd", "torchtitan_spmd._errors", "torchtitan_spmd._surface", "torchtitan_spmd.distributed",
             "torchtitan_spmd.distributed.parallel_dims", "torchtitan_spmd.distributed.layout",
             "torchtitan_spmd.distributed._mesh_compat",
         }

@@ -66,8 +66,10 @@ def test_dp_shard_cannot_be_inferred() -> None:
 def test_ep_is_not_a_factor_but_must_divide_dp_shard_cp_tp() -> None:
     pd = dims(dp_shard=2, tp=2, ep=4)  # ep reuses the 4 ranks of dp_shard*tp
     assert pd.world_size == 4
-    with pytest.raises(ValueError, match=re.escape("ep (3) must divide dp_shard * cp * tp = 2 * 1 * 2 = 4")):
+    with pytest.raises(ValueError, match=re.escape("ep (3) must divide dp_shard * cp * tp = 2 * 1 * 2 = 4")) as info:
         dims(dp_shard=2, tp=2, ep=3)
+    # upstream b5bcd76 rejects it too, in these words (its test_parallel_dims.py matches them)
+    assert "expert_parallel_degree (3) must divide dp_shard * cp * tp (4)" in str(info.value)
     with pytest.raises(ValueError, match=re.escape("ep (8) must divide")):
         dims(dp_shard=2, tp=2, ep=8)
 
@@ -82,7 +84,7 @@ def test_unknown_backend_lists_valid_ones() -> None:
     pd = dims()
     with pytest.raises(ValueError, match="spmd_backend: invalid value 'dtensor'"):
         pd.spmd_backend = "dtensor"
-    assert dims(spmd_backend="partial_dtensor").spmd_backend == "default"  # upstream's later name
+    assert dims(spmd_backend="partial_dtensor").spmd_backend == "partial_dtensor"  # upstream b5bcd76's spelling, as written
 
 
 def test_degrees_must_be_ints() -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mesh_spec_helpers import BACKENDS, BASE, Cfg, expected_active, expected_groups
 
 from torchtitan_spmd.distributed import ParallelDims
-from torchtitan_spmd.distributed.parallel_dims import MeshAxisName, unfold_dp_axes
+from torchtitan_spmd.distributed.parallel_dims import MeshAxisName, unfold_dp_axes, unfold_dp_axis
 
 CONFIGS = {
     "dp_replicate2-dp_shard2-tp2": Cfg(dp_replicate=2, dp_shard=2, tp=2, rank=5),
@@ -155,6 +155,8 @@ def test_upstream_global_meshes(built: ParallelDims, cfg: Cfg, backend: str) -> 
     groups = expected_groups(cfg)
     expected = {"dataloading": ("pp", "batch", "cp", "tp"), "loss": ("loss",),
                 "sparse": ("pp", "dp_replicate", "efsdp", "ep"), **UPSTREAM_GLOBAL[backend]}
+    if backend == "spmd_types" and cfg.ep > 1:  # August's sparse SPMD mesh, built only with experts sharded
+        expected["spmd_sparse_for_fwdbwd"] = ("dp_replicate", "efsdp", "ep")
     meshes = built._global_meshes
     assert set(meshes) == set(expected)
     for key, axes in expected.items():
@@ -244,6 +246,15 @@ def test_unfold_dp_axes() -> None:
     assert unfold_dp_axes(["cp", "dp", "tp"]) == ["cp", "dp_replicate", "dp_shard", "tp"]
     assert unfold_dp_axes([MeshAxisName.DP]) == ["dp_replicate", "dp_shard"]
     assert unfold_dp_axes(["tp"]) == ["tp"]
+
+
+def test_unfold_dp_axis_is_upstreams() -> None:
+    """b5bcd76's ``unfold_dp_axis``: one axis to a tuple of ``MeshAxisName``; unknown names are named."""
+    assert unfold_dp_axis("dp") == (MeshAxisName.DP_REPLICATE, MeshAxisName.DP_SHARD)
+    assert unfold_dp_axis(MeshAxisName.EFSDP) == (MeshAxisName.EFSDP,)
+    assert all(type(a) is MeshAxisName for a in unfold_dp_axis("fsdp"))
+    with pytest.raises(ValueError, match="'dpx' is not a mesh axis name"):
+        unfold_dp_axis("dpx")
     assert [m.value for m in MeshAxisName] == [
         "dp", "dp_replicate", "dp_shard", "fsdp", "tp", "cp", "pp", "ep", "efsdp",
     ]

@@ -67,6 +67,25 @@ def _train(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
 
 def run_many(cfgs: list[JobConfig]) -> list[list[dict[str, Any]]]:
     """Run each config's trainer on 4 forked ranks; per config, every rank's
-    ``{"steps": [(step, loss, grad_norm)], "shards": ..., "start_step": ...}``."""
+    ``{"steps": [(step, loss, grad_norm)], "shards": ..., "start_step": ..., "trace": ...}`` (the
+    :mod:`grad_probe` trace pooled over the ranks)."""
+    import grad_probe
+
     warm_parent()
-    return [run_forked(_train, WORLD, cfg, timeout_s=300) for cfg in cfgs]
+    out = []
+    for cfg in cfgs:
+        probed = run_forked(grad_probe.probed(_train), WORLD, cfg, timeout_s=300)
+        (trace,) = grad_probe.merge([t for _, t in probed])
+        grad_probe.check_schedules([cfg], [trace])
+        out.append([{**r, "trace": trace} for r, _ in probed])
+    return out
+
+
+def records(result: dict[str, Any]) -> Any:
+    """A rank's ``(loss, grad_norm)`` per step as a :class:`parity_helpers.Run` with the run's trace
+    (:mod:`grad_probe`: per-parameter gradient norms, expert biases) for ``check_moe_parity``."""
+    from parity_helpers import Run
+
+    run = Run([(s[1], s[2]) for s in result["steps"]])
+    run.trace = result["trace"]
+    return run

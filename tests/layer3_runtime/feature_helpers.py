@@ -100,7 +100,7 @@ def losses_and_norms(records: Any) -> tuple[list[float], list[float]]:
 # The checks, one per feature; each layer's test file runs them for its backends.
 # -------------------------------------------------------------------------------------
 #: Steps each feature runs (of the STEPS-step schedule).
-AC_STEPS, ACCUM_STEPS, COMPILE_STEPS, BF16_STEPS = 2, 2, 1, STEPS
+AC_STEPS, ACCUM_STEPS, COMPILE_STEPS, BF16_STEPS = 2, 2, 2, STEPS
 AC_TOL, ACCUM_TOL, COMPILE_TOL, BF16_TOL = 1e-6, 1e-5, 1e-4, 3e-2
 
 
@@ -124,7 +124,9 @@ def check_activation_checkpointing(backend: str, mode: str, *,
 
 
 def check_compile(backend: str, compile_backend: str, components: list[str]) -> tuple[float, float]:
-    """Compiled blocks (and loss) match the eager run within COMPILE_TOL, and Dynamo compiled."""
+    """Compiled blocks (and loss) match the eager run within COMPILE_TOL over COMPILE_STEPS (2: under
+    inductor, ``default`` failed in the second step's backward, "Sharding propagation failed for
+    aten.detach.default(Spec(f32[64](None)))", while the first passed), and Dynamo compiled."""
     cfg = feature_config(backend, compile__enable=True, compile__backend=compile_backend,
                          compile__components=components)
     got = run_steps(cfg, COMPILE_STEPS, probe="probes:compiled_graphs")

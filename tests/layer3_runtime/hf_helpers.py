@@ -73,22 +73,30 @@ def save_source(family: str, folder: Path) -> Path:
     return folder
 
 
-def hf_config(family: str, layout: str, backend: str, src: Path, dump: Path, *, flavor: str = "tiny") -> JobConfig:
-    world, par = LAYOUTS[layout]
-    local = GLOBAL_BATCH * par.get("tensor_parallel_degree", 1) // world
+def hf_job(family: str, flavor: str, parallelism: dict[str, Any], local_batch: int, src: Path,
+           dump: Path) -> JobConfig:
+    """The job of every HF round-trip test: ``STEPS`` steps at ``SEQ_LEN``, fp32, no AC, loading
+    ``src`` as Hugging Face safetensors and exporting in ``EXPORT_DTYPE`` (``parallelism`` holds
+    the degrees and ``spmd_backend``)."""
     return JobConfig.from_dict({
         "model": {"name": family, "flavor": flavor},
-        "training": {"steps": STEPS, "local_batch_size": local, "seq_len": SEQ_LEN, "device": "cpu",
+        "training": {"steps": STEPS, "local_batch_size": local_batch, "seq_len": SEQ_LEN, "device": "cpu",
                      "max_norm": 1.0, "mixed_precision_param": "float32"},
         "activation_checkpoint": {"mode": "none"},
         "optimizer": {"lr": 3e-3},
         "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {**par, "spmd_backend": backend},
+        "parallelism": parallelism,
         "debug": {"seed": 7, "deterministic": True},
         "job": {"dump_folder": str(dump)},
         "checkpoint": {"enable": True, "interval": 1000, "initial_load_path": str(src),
                        "initial_load_in_hf": True, "last_save_in_hf": True, "export_dtype": EXPORT_DTYPE},
     })
+
+
+def hf_config(family: str, layout: str, backend: str, src: Path, dump: Path, *, flavor: str = "tiny") -> JobConfig:
+    world, par = LAYOUTS[layout]
+    local = GLOBAL_BATCH * par.get("tensor_parallel_degree", 1) // world
+    return hf_job(family, flavor, {**par, "spmd_backend": backend}, local, src, dump)
 
 
 class _Recording:

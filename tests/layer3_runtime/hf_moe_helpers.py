@@ -15,11 +15,11 @@ from typing import Any
 from hf_helpers import (
     GLOBAL_BATCH,
     NO_STEP_EXPORT,
-    SEQ_LEN,
     STEPS,
     TOL,
     _worker,
     hf_cross_entropy,
+    hf_job,
     read_safetensors,
 )
 from parity_helpers import warm_parent
@@ -61,19 +61,8 @@ def save_moe_source(folder: Path, dtype: str = "bfloat16") -> Path:
 
 def hf_moe_job(backend: str, src: Path, dump: Path) -> JobConfig:
     """FSDP 2 x TP 2, ``--model.flavor from_hf``: load the folder, export it (no step), train, export."""
-    return JobConfig.from_dict({
-        "model": {"name": "qwen3", "flavor": "from_hf"},
-        "training": {"steps": STEPS, "local_batch_size": GLOBAL_BATCH // 2, "seq_len": SEQ_LEN, "device": "cpu",
-                     "max_norm": 1.0, "mixed_precision_param": "float32"},
-        "activation_checkpoint": {"mode": "none"},
-        "optimizer": {"lr": 3e-3},
-        "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "spmd_backend": backend},
-        "debug": {"seed": 7, "deterministic": True},
-        "job": {"dump_folder": str(dump)},
-        "checkpoint": {"enable": True, "interval": 1000, "initial_load_path": str(src),
-                       "initial_load_in_hf": True, "last_save_in_hf": True, "export_dtype": "bfloat16"},
-    })
+    return hf_job("qwen3", "from_hf", {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2,
+                                       "spmd_backend": backend}, GLOBAL_BATCH // 2, src, dump)
 
 
 def moe_logits_gap(export: Path, weights: dict[str, list], tokens: list[list[int]]) -> float:

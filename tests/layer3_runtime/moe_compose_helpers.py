@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import grad_probe
 from moe_helpers import moe_config
-from parity_helpers import LOCAL_BATCH, NORM_TOL, SEQ_LEN, TOL, max_rel, warm_parent
+from parity_helpers import LOCAL_BATCH, NORM_TOL, SEQ_LEN, TOL, Run, max_rel, warm_parent
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
@@ -100,7 +101,8 @@ def run_cases(cases: list[Case], world: int) -> dict[str, list[tuple[Any, ...]]]
     in the run)`` of rank 0; every rank must log the same numbers (the graph counts may differ:
     under expert parallelism Dynamo breaks the graph at rank-dependent places)."""
     warm_parent()
-    per_rank = run_forked(_worker, world, [c.config for c in cases], timeout_s=600)
+    probed = run_forked(grad_probe.probed(_worker), world, [c.config for c in cases], timeout_s=600)
+    per_rank = [r for r, _ in probed]
 
     def numbers(records: list[list[tuple[Any, ...]]]) -> list[list[tuple[Any, ...]]]:
         return [[step[:3] for step in run] for run in records]
@@ -108,7 +110,16 @@ def run_cases(cases: list[Case], world: int) -> dict[str, list[tuple[Any, ...]]]
     for rank, records in enumerate(per_rank):
         if numbers(records) != numbers(per_rank[0]):
             raise AssertionError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
-    return {c.name: got for c, got in zip(cases, per_rank[0], strict=True)}
+    traces = grad_probe.merge([t for _, t in probed])
+    grad_probe.check_schedules([c.config for c in cases], traces)
+    return {c.name: with_trace_of(got, trace) for c, got, trace in zip(cases, per_rank[0], traces, strict=True)}
+
+
+def with_trace_of(records: list[Any], trace: grad_probe.TrainerTrace) -> Run:
+    """``records`` as a :class:`parity_helpers.Run` carrying ``trace``."""
+    run = Run(records)
+    run.trace = trace
+    return run
 
 
 def reference_of(case: Case) -> tuple[tuple[float, float], ...]:
@@ -122,9 +133,15 @@ def reference_of(case: Case) -> tuple[tuple[float, float], ...]:
 
 def check_against_the_reference(backend: str, cases: list[Case], got: dict[str, list[tuple[Any, ...]]]) -> None:
     """Every case's loss within its ``tol`` (``TOL``) and gradient norm within its ``norm_tol``
-    (``NORM_TOL``) of the reference at every step, and it trains."""
+    (``NORM_TOL``) of the reference at every step, and it trains; fp32 cases also per tensor
+    (``moe_helpers.check_moe_trace``: step-1 gradient norms, expert biases, tokens per expert)."""
+    from moe_helpers import check_moe_trace, moe_reference_with_trace
+
     for case in cases:
         ref = reference_of(case)[:len(got[case.name])]
+        if case.config.training.mixed_precision_param == "float32":  # per tensor: fp32 runs only
+            ref_trace = moe_reference_with_trace(case.global_batch, case.config.debug.moe_force_load_balance)[1]
+            check_moe_trace(got[case.name], ref_trace, f"moe compose {backend} {case.name}")
         loss, norm = [g[0] for g in got[case.name]], [g[1] for g in got[case.name]]
         loss_diff, norm_diff = max_rel(loss, [r[0] for r in ref]), max_rel(norm, [r[1] for r in ref])
         print(f"\nmoe compose {backend} {case.name}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")

@@ -9,6 +9,8 @@ import functools
 import math
 from typing import Any
 
+import grad_probe
+
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.launcher import run_forked
 
@@ -73,25 +75,59 @@ def warm_parent() -> None:
 
     import torchtitan_spmd.train  # noqa: F401
 
+    grad_probe.install()  # every rank records its step-1 gradient norms (grad_probe)
+
+
+class Run(list):  # type: ignore[type-arg]
+    """A run's per-step records (a list, as before), with what the probe recorded (:mod:`grad_probe`)."""
+
+    trace: grad_probe.TrainerTrace | None = None
+
+
+def with_trace(records: list[Any], per_rank_traces: list[list[grad_probe.TrainerTrace]], index: int = 0) -> Run:
+    """``records`` as a :class:`Run` carrying the ranks' pooled trace of trainer ``index``."""
+    run = Run(records)
+    run.trace = grad_probe.merge(per_rank_traces)[index]
+    return run
+
 
 def run_config(cfg: JobConfig, world: int) -> list[tuple[float, float]]:
     """Per-step (loss, grad_norm) of a run; every rank must agree exactly."""
     warm_parent()
-    per_rank = run_forked(_train, world, cfg, timeout_s=300)
+    results = run_forked(grad_probe.probed(_train), world, cfg, timeout_s=300)
+    per_rank = [r for r, _ in results]
     for rank, records in enumerate(per_rank):
         if records != per_rank[0]:
             raise AssertionError(f"rank {rank} logged {records}, rank 0 logged {per_rank[0]}")
-    return per_rank[0]
+    run = with_trace(per_rank[0], [t for _, t in results])
+    grad_probe.check_schedules([cfg], [run.trace])
+    return run
+
+
+def reference(global_batch: int, steps: int = STEPS, model: str = "llama3") -> tuple[tuple[float, float], ...]:
+    """The independent reference on the same global batch (cached per batch size and model)."""
+    return reference_with_trace(global_batch, steps, model)[0]
 
 
 @functools.cache
-def reference(global_batch: int, steps: int = STEPS, model: str = "llama3") -> tuple[tuple[float, float], ...]:
-    """The independent reference on the same global batch (cached per batch size and model)."""
-    from torchtitan_spmd.reference import run_reference
+def reference_with_trace(global_batch: int, steps: int = STEPS, model: str = "llama3") -> tuple[Any, Any]:
+    """:func:`reference` and its :class:`~torchtitan_spmd.reference.ReferenceTrace` (cached)."""
+    from torchtitan_spmd.reference import ReferenceTrace, run_reference
 
     cfg = job_config("default", {"data_parallel_shard_degree": 1}, local_batch=global_batch, steps=steps,
                      model=model)
-    return tuple(run_reference(cfg, global_batch=global_batch))
+    trace = ReferenceTrace()
+    return tuple(run_reference(cfg, global_batch=global_batch, trace=trace)), trace
+
+
+def check_grad_norms(got: Any, ref_trace: Any, what: str) -> float:
+    """Each parameter's step-1 gradient norm of ``got`` (a :class:`Run`) against the reference's,
+    within ``grad_probe.GRAD_TOL``; prints and returns the largest relative difference."""
+    assert getattr(got, "trace", None) is not None and got.trace.grad_norms, f"{what}: no gradient norms recorded"
+    diff = grad_probe.compare_grad_norms(got.trace.grad_norms, ref_trace.grad_norms, what=what)
+    print(f"\n{what}: per-tensor gradient norms at step 1: max rel diff {diff:.1e} "
+          f"({len(ref_trace.grad_norms)} tensors)")
+    return diff
 
 
 def data_parallel_degree(parallelism: dict[str, Any], world: int) -> int:
@@ -124,10 +160,12 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def check_parity(got: list[tuple[float, float]] | list[tuple[Any, ...]], config_name: str, *,
                  model: str = "llama3") -> tuple[float, float]:
     """Assert that per-step ``(loss, grad_norm, ...)`` match the reference on the same global batch
-    (loss within ``TOL``, gradient norm within ``NORM_TOL``) and that the model trained; returns the
+    (loss within ``TOL``, gradient norm within ``NORM_TOL``, each parameter's gradient norm at step 1
+    within ``grad_probe.GRAD_TOL``: ``got`` a :class:`Run`) and that the model trained; returns the
     largest relative differences (loss, grad norm)."""
     world, parallelism = PARITY_CONFIGS[config_name]
-    ref = reference(LOCAL_BATCH * data_parallel_degree(parallelism, world), model=model)
+    ref, ref_trace = reference_with_trace(LOCAL_BATCH * data_parallel_degree(parallelism, world), model=model)
+    check_grad_norms(got, ref_trace, f"{model} {config_name}")
     loss, norm = [g[0] for g in got], [g[1] for g in got]
     ref_loss, ref_norm = [r[0] for r in ref], [r[1] for r in ref]
     assert max_rel(loss, ref_loss) < TOL, (loss, ref_loss)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grad_probe
 from parity_helpers import job_config, warm_parent
 
 from torchtitan_spmd.config import JobConfig
@@ -67,15 +68,21 @@ class Cell:
 
     records: list[tuple[Any, ...]]
     graphs: list[int]
+    #: What :mod:`grad_probe` recorded, pooled over the ranks (the schedule class checked already).
+    trace: grad_probe.TrainerTrace | None = None
 
 
 def run_cells(configs: dict[str, JobConfig], world: int, timeout_s: float = 600) -> dict[str, Cell]:
     """Each config's :class:`Cell`, all configs in one launch of ``world`` ranks."""
     warm_parent()
     names = list(configs)
-    per_rank = run_forked(_worker, world, [configs[n] for n in names], timeout_s=timeout_s)
+    probed = run_forked(grad_probe.probed(_worker), world, [configs[n] for n in names], timeout_s=timeout_s)
+    per_rank = [r for r, _ in probed]
     for rank, results in enumerate(per_rank):
         for name, mine, first in zip(names, results, per_rank[0], strict=True):
             if mine["records"] != first["records"]:
                 raise AssertionError(f"{name}: rank {rank} logged {mine['records']}, rank 0 logged {first['records']}")
-    return {name: Cell(per_rank[0][i]["records"], [r[i]["graphs"] for r in per_rank]) for i, name in enumerate(names)}
+    traces = grad_probe.merge([t for _, t in probed])
+    grad_probe.check_schedules([configs[n] for n in names], traces)
+    return {name: Cell(per_rank[0][i]["records"], [r[i]["graphs"] for r in per_rank], traces[i])
+            for i, name in enumerate(names)}

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parity_helpers import job_config, reference, warm_parent
+import grad_probe
+from parity_helpers import job_config, reference_with_trace, warm_parent
 from pipeline_feature_helpers import SCHEDULES
 
 from torchtitan_spmd.config import JobConfig
@@ -159,33 +160,47 @@ def _train_one(rank: int, world: int, cell: Cell) -> dict[str, Any]:
 def run_cell(cell: Cell, *, timeout_s: float = 300,
              train: Callable[[int, int, Cell], dict[str, Any]] = _train_one) -> dict[str, Any]:
     """``train(rank, world, cell)`` (by default :func:`train_cell`) on :data:`WORLD` forked gloo ranks
-    of their own (they inherit the warm parent's imports): rank 0's result; every rank must log the
-    same steps (``WorkerError`` if a rank raises).
+    of their own (they inherit the warm parent's imports): rank 0's result, with every rank's
+    (``"ranks"``) and the pooled :mod:`grad_probe` trace (``"trace"``; the schedule class that ran
+    is checked here); every rank must log the same steps (``WorkerError`` if a rank raises).
 
     One fork per cell: a second FSDP trainer in the same process over an equal mesh meets the first
     one's mesh objects in torch's FSDP ("Expected param's DTensor mesh to be the same mesh passed
     to fully_shard", measured).
     """
     warm_parent()
-    per_rank = run_forked(train, WORLD, cell, timeout_s=timeout_s)
+    probed = run_forked(grad_probe.probed(train), WORLD, cell, timeout_s=timeout_s)
+    per_rank = [r for r, _ in probed]
     for rank, result in enumerate(per_rank):
         if result["records"] != per_rank[0]["records"]:
             raise AssertionError(f"rank {rank} logged {result}, rank 0 {per_rank[0]}")
-    return per_rank[0]
+    (trace,) = grad_probe.merge([t for _, t in probed])
+    grad_probe.check_schedules([cell.config()], [trace])
+    return {**per_rank[0], "ranks": per_rank, "trace": trace}
 
 
-def _reference(rank: int, world: int, global_batch: int) -> tuple[tuple[float, float], ...]:
-    return reference(global_batch, steps=STEPS)
+def _reference(rank: int, world: int, global_batch: int) -> tuple[tuple[tuple[float, float], ...], dict[str, float]]:
+    records, trace = reference_with_trace(global_batch, steps=STEPS)
+    return records, trace.grad_norms
+
+
+class _Records(tuple):  # type: ignore[type-arg]
+    """The reference's per-step records (a tuple, as before) with its step-1 gradient norms."""
+
+    grad_norms: dict[str, float]
 
 
 @functools.cache
 def pp_reference(global_batch: int) -> tuple[tuple[float, float], ...]:
-    """:func:`parity_helpers.reference` of :data:`STEPS` steps, computed in a forked child: a backward
-    in this process after the in-process setup tests' DTensor sharding propagation would make torch
-    refuse autograd in every rank forked later ("Unable to handle autograd's threading in combination
-    with fork-based multiprocessing", measured)."""
+    """:func:`parity_helpers.reference` of :data:`STEPS` steps (with ``.grad_norms``: each parameter's
+    at step 1), computed in a forked child: a backward in this process after the in-process setup
+    tests' DTensor sharding propagation would make torch refuse autograd in every rank forked later
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing", measured)."""
     warm_parent()
-    return tuple(run_forked(_reference, 1, global_batch, timeout_s=120)[0])
+    records, norms = run_forked(_reference, 1, global_batch, timeout_s=120)[0]
+    out = _Records(records)
+    out.grad_norms = norms
+    return out
 
 
 def check_pp_checkpoint_round_trip(backend: str, folder: Any) -> None:
@@ -214,9 +229,15 @@ def check_pp_checkpoint_round_trip(backend: str, folder: Any) -> None:
     assert_matches_reference(got, pp_reference(4)[2:])
 
 
-def assert_matches_reference(got: Sequence[tuple[float, float]], ref: Sequence[tuple[float, float]]) -> None:
-    """Per-step loss within ``parity_helpers.TOL`` and gradient norm within ``NORM_TOL`` of ``ref``."""
+def assert_matches_reference(got: Sequence[tuple[float, float]], ref: Sequence[tuple[float, float]],
+                             trace: grad_probe.TrainerTrace | None = None, *, what: str = "") -> None:
+    """Per-step loss within ``parity_helpers.TOL`` and gradient norm within ``NORM_TOL`` of ``ref``; with
+    ``trace`` (the run's, pooled over every stage), each parameter's step-1 gradient norm within
+    ``grad_probe.GRAD_TOL`` of ``ref.grad_norms`` (:func:`pp_reference`)."""
     from parity_helpers import NORM_TOL, TOL, max_rel
 
+    if trace is not None:
+        diff = grad_probe.compare_grad_norms(trace.grad_norms, ref.grad_norms, what=what)  # type: ignore[attr-defined]
+        print(f"\n{what}: per-tensor gradient norms at step 1: max rel diff {diff:.1e}")
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)

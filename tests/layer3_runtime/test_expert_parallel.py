@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from ep_helpers import EP_LAYOUTS, WORLD, checkpointed, ep_config, run_many
+from ep_helpers import EP_LAYOUTS, WORLD, checkpointed, ep_config, records, run_many
 from moe_helpers import check_moe_parity
 from parity_helpers import max_rel, skip_full_dtensor_on_old_torch
 
@@ -114,7 +114,7 @@ def test_ep_parity_with_the_reference(backend: str) -> None:
                 assert "ep" in sharded_over, (layout, fqn, sharded_over)
                 assert torch.Size(local).numel() * ep * efsdp == torch.Size(global_shape).numel(), (
                     layout, fqn, local, global_shape)
-        loss_diff, norm_diff = check_moe_parity([(s[1], s[2]) for s in steps], "fsdp4")
+        loss_diff, norm_diff = check_moe_parity(records(per_rank[0]), "fsdp4")
         print(f"\nEP {backend} {layout}: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
 
 
@@ -127,7 +127,7 @@ def test_ep_composes_with_hsdp_accumulation_and_ac() -> None:
     cfg = moe_config("default", "hsdp_accum_ac")
     cfg.parallelism.expert_parallel_degree = 2
     (per_rank,) = run_many([cfg])
-    check_moe_parity([(s[1], s[2]) for s in per_rank[0]["steps"]], "hsdp_accum_ac")
+    check_moe_parity(records(per_rank[0]), "hsdp_accum_ac")
 
 
 # ------------------------------------------------------------------------------ type checking
@@ -136,7 +136,7 @@ def test_ep_type_checked_parity_with_the_reference() -> None:
     """spmd_types FSDP 4 x EP 2 with ``--debug.spmd_typechecking``: every step checked, on the curve."""
     _skip_old_torch("spmd_types")
     (per_rank,) = run_many([ep_config("spmd_types", 2, spmd_typechecking=True)])
-    loss_diff, norm_diff = check_moe_parity([(s[1], s[2]) for s in per_rank[0]["steps"]], "fsdp4")
+    loss_diff, norm_diff = check_moe_parity(records(per_rank[0]), "fsdp4")
     print(f"\nEP spmd_types fsdp4_ep2 type-checked: max rel diff loss {loss_diff:.1e} grad_norm {norm_diff:.1e}")
 
 

@@ -16,7 +16,14 @@ Per backend, in one set of forks (6 steps each):
 - ``ep2_tp2_compile`` (``default``): the blocks compiled (``aot_eager``, not ``fullgraph`` under
   EP: the experts' FSDP hooks break the graph); Dynamo compiled graphs;
 - ``fsdp2_cp2_ep2`` (``full_dtensor``, ``spmd_types`` type-checked): CP 2 x EP 2 (``ep`` over the
-  ``cp`` ranks), ring attention; ``cp2_tp2_ep4`` (``full_dtensor``): CP 2 x TP 2 x EP 4.
+  ``cp`` ranks), ring attention; ``cp2_tp2_ep4`` (``full_dtensor``): CP 2 x TP 2 x EP 4;
+- ``fsdp2_tp2_ep4_typed`` (``spmd_types``, type-checked): EP 4 over ``dp_shard x tp``, the only EP
+  degree on 4 ranks that borrows from both (the tokens ``V`` on ``dp_shard``, ``R`` on ``tp``: it
+  failed with "Axes {mesh_dp_shard, mesh_tp} would need to be flattened" before the counts were
+  re-typed onto the expert side's mesh).
+
+Each fp32 case also compares every parameter's gradient norm at step 1, every layer's expert bias
+after every step and the fewest and most tokens any expert got with the reference.
 
 And PP 2 x FSDP 2 x EP 2 (1F1B) under each backend against the reference (4 steps).
 """
@@ -67,6 +74,8 @@ def ep_cases(backend: str) -> list[Case]:
         cases.append(Case("fsdp2_cp2_ep2", cp, 2 * LOCAL_BATCH))
     if backend == "full_dtensor":
         cases.append(Case("cp2_tp2_ep4", _ep(backend, 1, 4, tp=2, cp=2), LOCAL_BATCH))
+    if backend == "spmd_types":  # the EP degree that borrows from both dp_shard and tp, type-checked
+        cases.append(Case("fsdp2_tp2_ep4_typed", _ep(backend, 2, 4, tp=2, spmd_typechecking=True), 2 * LOCAL_BATCH))
     return cases
 
 

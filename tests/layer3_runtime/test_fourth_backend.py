@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import grad_probe
 import pytest
-from parity_helpers import PARITY_CONFIGS, check_parity, job_config, warm_parent
+from parity_helpers import PARITY_CONFIGS, check_parity, job_config, warm_parent, with_trace
 
 from torchtitan_spmd.config import (
     ConfigManager,
@@ -71,8 +72,9 @@ def test_unregistered_it_is_an_unknown_name() -> None:
 def test_the_fourth_backend_trains(toy: backends.Backend) -> None:
     world, parallelism = PARITY_CONFIGS["fsdp2_tp2"]
     warm_parent()
-    per_rank = run_forked(_train, world, job_config("toy", parallelism), timeout_s=300)
+    results = run_forked(grad_probe.probed(_train), world, job_config("toy", parallelism), timeout_s=300)
+    per_rank = [r for r, _ in results]
     assert all(r == per_rank[0] for r in per_rank)  # every rank logged the same
     got = per_rank[0]
     assert got["representation"] == "ToyRepresentation" and got["distributed"] > 0 and got["meshes"]
-    check_parity(got["records"], "fsdp2_tp2")
+    check_parity(with_trace(got["records"], [t for _, t in results]), "fsdp2_tp2")

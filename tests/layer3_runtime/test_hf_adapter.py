@@ -18,7 +18,7 @@ from version_helpers import requires_torch
 
 from torchtitan_spmd.checkpoint import hf as hf_checkpoint
 from torchtitan_spmd.config import JobConfig, check_supported
-from torchtitan_spmd.models import get_model_spec
+from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.models.common import count_parameters
 from torchtitan_spmd.models.state_dict_adapter import HFConfigError
 
@@ -88,7 +88,7 @@ def test_from_hf_flavor_builds_the_sizes_of_config_json(family: str, tmp_path: P
     folder = _hf_folder(family, tmp_path, rms_norm_eps=3e-6, max_position_embeddings=96,
                         rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
     spec = get_model_spec(family)
-    config = hf_checkpoint.resolve_model_config(spec, _job(family, folder, flavor="from_hf"), vocab_size=320)
+    config = hf_config.resolve_model_config(spec, _job(family, folder, flavor="from_hf"), vocab_size=320)
     assert (config.norm_eps, config.rope_theta, config.max_seq_len) == (3e-6, 12345.0, 96)
     with torch.device("meta"):
         ours, tiny = spec.build(config), spec.build(spec.model_config("tiny"))
@@ -108,21 +108,21 @@ def test_config_json_mismatch_names_the_field_and_both_values(family: str, field
                                                               tmp_path: Path) -> None:
     folder = _hf_folder(family, tmp_path, **{field: value})
     with pytest.raises(HFConfigError, match=rf"{field}={value!r}, but model.flavor='tiny' has {field}={ours!r}"):
-        hf_checkpoint.resolve_model_config(get_model_spec(family), _job(family, folder), vocab_size=320)
+        hf_config.resolve_model_config(get_model_spec(family), _job(family, folder), vocab_size=320)
 
 
 @requires_torch("2.14", "Hugging Face checkpoints (DCP's CheckpointableTensor)")
 def test_config_json_of_another_family_or_variant_is_named(tmp_path: Path) -> None:
     llama = _hf_folder("llama3", tmp_path / "llama")
     with pytest.raises(HFConfigError, match="model_type='llama', but this family reads model_type='qwen3'"):
-        hf_checkpoint.resolve_model_config(get_model_spec("qwen3"), _job("qwen3", llama), vocab_size=320)
+        hf_config.resolve_model_config(get_model_spec("qwen3"), _job("qwen3", llama), vocab_size=320)
     tied = _hf_folder("llama3", tmp_path / "tied", tie_word_embeddings=True)
-    with pytest.raises(HFConfigError, match="tie_word_embeddings=True is not supported"):
-        hf_checkpoint.resolve_model_config(get_model_spec("llama3"), _job("llama3", tied), vocab_size=320)
+    with pytest.raises(HFConfigError, match="tie_word_embeddings=True, but model.flavor='tiny' has tie_word_embeddings=False"):
+        hf_config.resolve_model_config(get_model_spec("llama3"), _job("llama3", tied), vocab_size=320)
     scaled = _hf_folder("llama3", tmp_path / "scaled",
-                        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0})
-    with pytest.raises(HFConfigError, match="rope_type='llama3' is not supported"):
-        hf_checkpoint.resolve_model_config(get_model_spec("llama3"), _job("llama3", scaled, flavor="from_hf"),
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 8.0})
+    with pytest.raises(HFConfigError, match="rope_type='longrope' is not supported"):
+        hf_config.resolve_model_config(get_model_spec("llama3"), _job("llama3", scaled, flavor="from_hf"),
                                            vocab_size=320)
 
 
@@ -140,9 +140,9 @@ def test_setup_errors_name_the_fields(tmp_path: Path) -> None:
     ]
     for job, message in cases:
         with pytest.raises(ValueError, match=message):
-            hf_checkpoint.resolve_model_config(spec, job, vocab_size=320)
+            hf_config.resolve_model_config(spec, job, vocab_size=320)
     with pytest.raises(HFConfigError, match="vocab_size=320 is smaller than the tokenizer's 400 ids"):
-        hf_checkpoint.resolve_model_config(spec, _job("llama3", folder, flavor="from_hf"), vocab_size=400)
+        hf_config.resolve_model_config(spec, _job("llama3", folder, flavor="from_hf"), vocab_size=400)
     check_supported(_job("llama3", folder, last_save_in_hf=True))  # no longer in the support table
     with pytest.raises(ValueError, match="checkpoint.initial_load_in_hf_quantized=True: loading quantized"):
         check_supported(_job("llama3", folder, initial_load_in_hf_quantized=True))
@@ -150,8 +150,8 @@ def test_setup_errors_name_the_fields(tmp_path: Path) -> None:
 
 def test_missing_safetensors_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(hf_checkpoint.MissingExtraError, match=r"pip install 'torchtitan-spmd\[hf\]'") as info:
-        hf_checkpoint.require_safetensors()
+    with pytest.raises(hf_checkpoint.MissingExtraError, match=r'pip install -e "\.\[hf\]" \(in ') as info:
+        hf_config.require_safetensors()
     assert isinstance(info.value, ValueError) and isinstance(info.value, ImportError)
 
 

@@ -105,7 +105,7 @@ def test_vocab_size_check_names_both(tok: HuggingFaceTokenizer) -> None:
     check_vocab_size(2048, tok, model="llama3/debugmodel")
     check_vocab_size(2020, tok, model="llama3/debugmodel")
     with pytest.raises(ValueError, match=r"llama3/debugmodel has vocab_size=2019, smaller than the tokenizer of "
-                                         r"model.hf_assets_path=.*\(vocab_size=2020\)"):
+                                         r"hf_assets_path=.*\(vocab_size=2020\)"):
         check_vocab_size(2019, tok, model="llama3/debugmodel")
 
 
@@ -224,7 +224,7 @@ def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 def test_bad_datasets_are_one_line_errors(case: str, tmp_path: Path) -> None:
     dataset, path, match = "json", tmp_path / "d.jsonl", ""
     if case == "missing":
-        match = r"training.dataset_path='.*nowhere.jsonl' \(training.dataset='json'\) does not exist"
+        match = r"dataloader.dataset_path='.*nowhere.jsonl' \(dataloader.dataset='json'\) does not exist"
         path = tmp_path / "nowhere.jsonl"
     elif case == "empty":
         path.write_text("")
@@ -262,13 +262,13 @@ def test_bad_datasets_are_one_line_errors(case: str, tmp_path: Path) -> None:
 def test_bad_assets_are_one_line_errors(case: str, tmp_path: Path) -> None:
     path, match = tmp_path, ""
     if case == "no folder":
-        path, match = tmp_path / "nope", r"model.hf_assets_path='.*nope' is not a folder"
+        path, match = tmp_path / "nope", r"hf_assets_path='.*nope' is not a folder"
     elif case == "no tokenizer.json":
         (tmp_path / "config.json").write_text("{}")
         match = r"has no tokenizer.json \(it holds \['config.json'\]\)"
     else:
         (tmp_path / "tokenizer.json").write_text("{not json")
-        match = r"model.hf_assets_path: cannot read .*tokenizer.json"
+        match = r"hf_assets_path: cannot read .*tokenizer.json"
     with pytest.raises(ValueError, match=match) as exc:
         HuggingFaceTokenizer(str(path))
     _one_line(exc)
@@ -291,18 +291,18 @@ def test_a_tokenizer_without_bos_and_eos_cannot_pack(tmp_path: Path, auto: Any) 
 
 
 def test_config_errors_name_the_field() -> None:
-    from torchtitan_spmd.config import TrainingConfig
+    from torchtitan_spmd.config import DataloaderConfig
 
-    with pytest.raises(ValueError, match=r"training.dataset: invalid value 'jsonl'; valid choices are 'synthetic', "
+    with pytest.raises(ValueError, match=r"dataloader.dataset: invalid value 'jsonl'; valid choices are 'synthetic', "
                                          r"'c4_test', 'text', 'json', 'parquet'. Did you mean 'json'\?"):
-        TrainingConfig(dataset="jsonl")
-    with pytest.raises(ValueError, match="training.dataset='c4' is torchtitan's download of allenai/c4"):
-        TrainingConfig(dataset="c4")
-    with pytest.raises(ValueError, match="training.dataset='json' needs training.dataset_path"):
-        TrainingConfig(dataset="json")
-    with pytest.raises(ValueError, match="training.dataset_path='x.jsonl' needs a file dataset"):
-        TrainingConfig(dataset_path="x.jsonl")
-    with pytest.raises(ValueError, match="synthetic data .* is byte-level; a tokenizer from model.hf_assets_path"):
+        DataloaderConfig(dataset="jsonl")
+    with pytest.raises(ValueError, match="dataloader.dataset='c4' is torchtitan's download of allenai/c4"):
+        DataloaderConfig(dataset="c4")
+    with pytest.raises(ValueError, match="dataloader.dataset='json' needs dataloader.dataset_path"):
+        DataloaderConfig(dataset="json")
+    with pytest.raises(ValueError, match="dataloader.dataset_path='x.jsonl' needs a file dataset"):
+        DataloaderConfig(dataset_path="x.jsonl")
+    with pytest.raises(ValueError, match="synthetic data .* is byte-level; a tokenizer from hf_assets_path"):
         build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=1, seq_len=8, seed=0,
                          tokenizer=HuggingFaceTokenizer(str(TOKENIZER)))
 
@@ -312,15 +312,15 @@ def test_a_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for mod in ("tokenizers", "datasets", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, mod, None)  # what an absent package looks like to import
-    with pytest.raises(MissingExtraError, match=r"model.hf_assets_path .* needs the 'tokenizers' package: "
-                                                r"pip install 'torchtitan-spmd\[hf\]'") as exc:
+    with pytest.raises(MissingExtraError, match=r"hf_assets_path .* needs the 'tokenizers' package: "
+                                                r'pip install -e "\.\[hf\]" \(in ') as exc:
         HuggingFaceTokenizer(str(TOKENIZER))
     assert isinstance(exc.value, ImportError) and isinstance(exc.value, ValueError)  # a setup error (exit 2)
-    with pytest.raises(MissingExtraError, match=r"training.dataset='json' needs the 'datasets' package: "
-                                                r"pip install 'torchtitan-spmd\[hf\]'"):
+    with pytest.raises(MissingExtraError, match=r"dataloader.dataset='json' needs the 'datasets' package: "
+                                                r'pip install -e "\.\[hf\]" \(in '):
         loaders(1, 1, 8, tokenizer=object())
     with pytest.raises(MissingExtraError, match=r"metrics.enable_tensorboard needs the 'torch.utils.tensorboard' "
-                                                r"package: pip install 'torchtitan-spmd\[tensorboard\]'"):
+                                                r'package: pip install -e "\.\[tensorboard\]" \(in '):
         require("torch.utils.tensorboard", "tensorboard", "metrics.enable_tensorboard")
 
 

@@ -37,10 +37,11 @@ def config(layout: str, dump_folder: Path) -> JobConfig:
     dp = world // par.get("tensor_parallel_degree", 1)
     return JobConfig.from_dict({
         "job": {"dump_folder": str(dump_folder)},
-        "model": {"name": "llama3", "flavor": "debugmodel", "hf_assets_path": str(ASSETS / "tokenizer")},
+        "hf_assets_path": str(ASSETS / "tokenizer"),
+        "model": {"name": "llama3", "flavor": "debugmodel"},
         "training": {"steps": STEPS, "local_batch_size": GLOBAL_BATCH // dp, "seq_len": SEQ_LEN, "device": "cpu",
-                     "mixed_precision_param": "float32", "dataset": "json",
-                     "dataset_path": str(ASSETS / "c4_test" / "data.json")},
+                     "mixed_precision_param": "float32"},
+        "dataloader": {"dataset": "json", "dataset_path": str(ASSETS / "c4_test" / "data.json")},
         "activation_checkpoint": {"mode": "none"},
         "optimizer": {"lr": 8e-4},
         "lr_scheduler": {"warmup_steps": 2},
@@ -125,8 +126,11 @@ def test_the_tiny_model_on_fsdp2_matches_the_independent_reference_on_this_data(
     from torchtitan_spmd.reference import run_reference
 
     data = job_config("default", LAYOUTS["fsdp2"][1], local_batch=GLOBAL_BATCH // 2, steps=6).to_dict()
-    data["model"]["hf_assets_path"] = str(ASSETS / "tokenizer")
-    data["training"].update({"dataset": "c4_test", "dataset_path": str(ASSETS / "c4_test"), "seq_len": SEQ_LEN})
+    data["hf_assets_path"] = str(ASSETS / "tokenizer")
+    data["training"]["seq_len"] = SEQ_LEN
+    for tokens in ("max_context_length", "num_tokens_per_microbatch_per_dp_rank", "num_tokens_per_train_step"):
+        data["training"].pop(tokens, None)  # August's spellings of the batch fields follow seq_len
+    data["dataloader"] = {"dataset": "c4_test", "dataset_path": str(ASSETS / "c4_test")}
     cfg = JobConfig.from_dict(data)
     got = run_config(cfg, 2)
     want = run_reference(cfg, global_batch=GLOBAL_BATCH)

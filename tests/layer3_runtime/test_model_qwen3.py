@@ -28,7 +28,8 @@ def expected_param_count(c: Qwen3Config) -> int:
     # a dense SwiGLU, or the router's gate and num_experts SwiGLUs
     ffn = 3 * c.dim * c.hidden_dim if not c.num_experts else c.dim * c.num_experts * (1 + 3 * c.moe_hidden_dim)
     block = attention + 2 * c.head_dim + ffn + 2 * c.dim  # + QK norms, norms
-    return 2 * c.vocab_size * c.dim + c.n_layers * block + c.dim
+    embeddings = (1 if c.enable_weight_tying else 2) * c.vocab_size * c.dim  # tied: one tensor
+    return embeddings + c.n_layers * block + c.dim
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))

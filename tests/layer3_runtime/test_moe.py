@@ -99,7 +99,7 @@ def test_top_k_larger_than_the_experts_is_named() -> None:
 
 
 def test_the_moe_flavours() -> None:
-    assert MOE_FLAVORS == ("debugmodel_moe", "moe_tiny")
+    assert MOE_FLAVORS == ("debugmodel_moe", "moe_tiny", "30B-A3B")  # upstream's 30B-A3B: meta-only here
     debug = FLAVORS["debugmodel_moe"]  # upstream's sizes
     assert (debug.dim, debug.n_layers, debug.n_heads, debug.n_kv_heads, debug.head_dim) == (256, 8, 16, 8, 128)
     assert (debug.num_experts, debug.top_k, debug.moe_hidden_dim, debug.score_func) == (64, 8, 768, "softmax")

@@ -31,8 +31,9 @@ def test_full_dtensor_pipeline_matches_the_reference(cell: str) -> None:
 
     if fd.DataParallelMeshDims is None:
         pytest.skip(f"full_dtensor with data parallelism needs torch >= {fd.FSDP_MIN_TORCH}")
-    pp.assert_matches_reference(pp.run_cell(FULL_DTENSOR_CELLS[cell])["records"],
-                             pp.pp_reference(FULL_DTENSOR_CELLS[cell].global_batch))
+    result = pp.run_cell(FULL_DTENSOR_CELLS[cell])
+    pp.assert_matches_reference(result["records"], pp.pp_reference(FULL_DTENSOR_CELLS[cell].global_batch),
+                                result["trace"], what=cell)
 
 
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])

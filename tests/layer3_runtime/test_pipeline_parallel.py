@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 from checkpoint_helpers import ck_config
-from parity_helpers import NORM_TOL, TOL, job_config, max_rel, reference, run_config
+from parity_helpers import (
+    NORM_TOL,
+    TOL,
+    check_grad_norms,
+    job_config,
+    max_rel,
+    reference,
+    reference_with_trace,
+    run_config,
+)
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.techniques.pipeline_parallel import generate_llm_fqn_per_model_part
@@ -52,8 +61,9 @@ def _pp_config(name: str, steps: int = STEPS) -> tuple[JobConfig, int, int]:
 @pytest.mark.parametrize("cell", list(PP_CELLS))
 def test_pipeline_parallel_matches_the_reference(cell: str) -> None:
     cfg, world, global_batch = _pp_config(cell)
-    got = run_config(cfg, world)  # every rank logs the same (loss, grad norm), rank 0 included
-    ref = reference(global_batch, steps=STEPS)
+    got = run_config(cfg, world)  # every rank logs the same (loss, grad norm), rank 0 included; the schedule class checked
+    ref, ref_trace = reference_with_trace(global_batch, steps=STEPS)
+    check_grad_norms(got, ref_trace, cell)  # every stage's parameters, pooled over the ranks
     assert max_rel([g[0] for g in got], [r[0] for r in ref]) < TOL, (got, ref)
     assert max_rel([g[1] for g in got], [r[1] for r in ref]) < NORM_TOL, (got, ref)
 

@@ -22,27 +22,34 @@ from torchtitan_spmd.models import (
 
 #: family -> (model class name, config_registry functions)
 JOBS = {
-    "llama3": ("Transformer", ("llama3_debugmodel", "llama3_tiny")),
-    "qwen3": ("Qwen3Model", ("qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny")),
+    "llama3": ("Transformer", ("llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel", "llama3_tiny")),
+    "qwen3": ("Qwen3Model", ("qwen3_0_6b", "qwen3_14b", "qwen3_1_7b", "qwen3_30b_a3b", "qwen3_32b",
+                             "qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny")),
+    "deepseek_v3": ("DeepSeekV3Model", ("deepseek_v3_16b", "deepseek_v3_671b", "deepseek_v3_debugmodel",
+                                        "deepseek_v3_tiny")),
 }
 
 #: jobs whose flavour is not the job's name after the family (upstream's names)
-JOB_FLAVORS = {"qwen3_moe_debug": "debugmodel_moe"}
+JOB_FLAVORS = {"qwen3_moe_debug": "debugmodel_moe", "llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B",
+               "qwen3_0_6b": "0.6B", "qwen3_1_7b": "1.7B", "qwen3_14b": "14B", "qwen3_32b": "32B",
+               "qwen3_30b_a3b": "30B-A3B", "deepseek_v3_16b": "16B", "deepseek_v3_671b": "671B",
+               "deepseek_v3_debugmodel": "debugmodel", "deepseek_v3_tiny": "tiny"}
 
 
 def test_builtin_families() -> None:
-    assert BUILTIN_FAMILIES == ("llama3", "qwen3") == tuple(JOBS)
+    assert BUILTIN_FAMILIES == ("llama3", "qwen3", "deepseek_v3") == tuple(JOBS)
     for name in BUILTIN_FAMILIES:
         spec = get_model_spec(name)
         assert spec.name == name and {"debugmodel", "tiny"} <= set(spec.flavors)
 
 
 def test_unknown_family_and_flavor_name_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown model.name 'llama'; valid names: 'llama3', 'qwen3'\. "
+    with pytest.raises(ValueError, match=r"unknown model.name 'llama'; valid names: 'llama3', 'qwen3', 'deepseek_v3'\. "
                                          r"Did you mean 'llama3'\?"):
         get_model_spec("llama")
     with pytest.raises(ValueError, match=r"unknown model.flavor 'debug' for model.name='qwen3'; "
-                                         r"valid flavors: debugmodel, debugmodel_moe, moe_tiny, tiny"):
+                                         r"valid flavors: 0.6B, 1.7B, 14B, 30B-A3B, 32B, debugmodel, debugmodel_moe, "
+                                         r"moe_tiny, tiny"):
         get_model_spec("qwen3").model_config("debug")
 
 

@@ -91,15 +91,20 @@ def _train_mixed(rank: int, world: int, cfg: Any, typed_steps: int) -> list[tupl
 def run_mixed(cfg: Any, world: int, typed_steps: int) -> list[tuple[float, float, float, bool]]:
     """Per-step ``(loss, grad_norm, seconds, typed)`` (rank 0's timings); ranks must agree on values."""
     warm_parent()
+    import grad_probe
     import spmd_types.checker  # noqa: F401  (the checker's imports, once, before forking)
     import torch.distributed.fsdp  # noqa: F401
+    from parity_helpers import with_trace
 
-    per_rank = run_forked(_train_mixed, world, cfg, typed_steps, timeout_s=300)
+    results = run_forked(grad_probe.probed(_train_mixed), world, cfg, typed_steps, timeout_s=300)
+    per_rank = [r for r, _ in results]
     values = [[(r[0], r[1]) for r in records] for records in per_rank]
     for rank, v in enumerate(values):
         if v != values[0]:
             raise AssertionError(f"rank {rank} logged {v}, rank 0 logged {values[0]}")
-    return per_rank[0]
+    run = with_trace(per_rank[0], [t for _, t in results])
+    grad_probe.check_schedules([cfg], [run.trace])
+    return run
 
 
 def in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) -> Any:

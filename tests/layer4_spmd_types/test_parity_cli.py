@@ -69,6 +69,42 @@ def test_the_tolerance_is_exact_for_the_loss_and_the_grad_norm(monkeypatch, caps
     assert _main(monkeypatch, CANNED, "--tol", "1e-7") == 1
 
 
+def test_a_passing_report_ends_with_one_pass_line_a_failing_one_with_none(monkeypatch, capsys) -> None:  # noqa: ANN001
+    assert _main(monkeypatch, CANNED, "--tol", "2e-6") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("PASS: 3 run(s) against the reference over 2 steps; largest relative difference: "
+                       "loss 2.0e-06, grad norm 2.0e-07; --tol 2e-06, --grad-norm-tol 2e-06")
+    assert _main(monkeypatch, CANNED) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "no tolerance given (--tol), so only NaNs and run lengths were gated")
+    assert _main(monkeypatch, CANNED, "--tol", "1e-7") == 1
+    assert "PASS" not in capsys.readouterr().out
+
+
+def test_a_seeded_run_confirms_every_backend_loaded_the_seed(monkeypatch, capsys, tmp_path) -> None:  # noqa: ANN001
+    seed = str(tmp_path / "seed" / "checkpoint" / "step-0")
+    args = ("--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path", seed)
+    every = dict.fromkeys(("default", "full_dtensor", "spmd_types"), seed)
+    loaded = parity.ParityResult(runs=CANNED.runs, nproc=4, description="seeded", steps=2, loaded=every)
+    assert _main(monkeypatch, loaded, *args) == 0
+    out = capsys.readouterr().out
+    for backend in every:
+        assert f"seed: {backend} started from {seed}" in out
+    assert f"seed: the reference read its initial weights from {seed}" in out
+    # one backend resumed its own folder's checkpoint instead (the trainer's rule): a failure
+    own = parity.ParityResult(runs=CANNED.runs, nproc=4, description="seeded", steps=2,
+                              loaded={**every, "full_dtensor": "outputs/checkpoint/step-2"})
+    assert _main(monkeypatch, own, *args) == 1
+    captured = capsys.readouterr()
+    assert ("FAIL: full_dtensor: started from outputs/checkpoint/step-2, not the seed checkpoint "
+            f"checkpoint.initial_load_path={seed!r}") in captured.err
+    assert "PASS" not in captured.out
+    none = parity.ParityResult(runs=CANNED.runs, nproc=4, description="seeded", steps=2,
+                               loaded={**every, "default": None})
+    assert _main(monkeypatch, none, *args) == 1
+    assert "FAIL: default: started from no checkpoint" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("where", ["run", "reference", "both"])
 def test_a_nan_never_scores_zero(monkeypatch, capsys, where: str) -> None:  # noqa: ANN001
     nan = [(5.0, 2.0), (math.nan, 1.5)]
@@ -131,7 +167,7 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_note(tmp_path, monkeypatc
     path = tmp_path / "loss.png"
     assert parity.main(["--model.flavor", "tiny", "--plot", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "matplotlib is not installed" in out and "torchtitan-spmd[plot]" in out
+    assert "matplotlib is not installed" in out and 'pip install -e ".[plot]"' in out
     assert "max relative difference vs reference" in out
     assert not path.exists()
 
@@ -204,6 +240,8 @@ def test_three_backends_agree_end_to_end(tmp_path, capsys) -> None:  # noqa: ANN
         losses = [float(x) for x in row[1:5]]
         assert max(losses) - min(losses) <= 1e-5 * min(losses), row
     assert "max relative difference vs reference" in out
+    assert lines[-1].startswith("PASS: 3 run(s) against the reference over 3 steps; largest relative "
+                                "difference: loss "), lines[-1]
     try:
         import matplotlib  # noqa: F401
     except ImportError:

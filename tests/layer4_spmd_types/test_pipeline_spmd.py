@@ -60,8 +60,10 @@ def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, 
     def ops() -> int:
         return DECISION_CACHE.misses + DECISION_CACHE.unkeyed + DECISION_CACHE.hits
 
-    in_stages = [0]
-    original = StageBoundaries.context
+    from torchtitan_spmd.techniques.pipeline_parallel import _StepLoss
+
+    in_stages, loss_calls, in_loss = [0], [0], [0]
+    original, original_loss = StageBoundaries.context, _StepLoss.__call__
 
     @contextlib.contextmanager
     def counted(self: StageBoundaries) -> Iterator[None]:
@@ -70,19 +72,41 @@ def _train_counting_checked_ops(rank: int, world: int, cell: Cell) -> dict[str, 
             yield
         in_stages[0] += ops() - before
 
+    def loss(self: _StepLoss, output: Any, target: Any) -> Any:
+        before = ops()
+        try:
+            return original_loss(self, output, target)
+        finally:
+            loss_calls[0] += 1
+            in_loss[0] += ops() - before
+
     DECISION_CACHE.clear()
-    with mock.patch.object(StageBoundaries, "context", counted):
+    with mock.patch.object(StageBoundaries, "context", counted), mock.patch.object(_StepLoss, "__call__", loss):
         result = train_cell(cell)
-    return {**result, "checked_ops": ops(), "checked_in_stages": in_stages[0]}
+    return {**result, "checked_ops": ops(), "checked_in_stages": in_stages[0], "loss_calls": loss_calls[0],
+            "checked_in_loss": in_loss[0]}
+
+
+def assert_every_rank_checked(result: dict[str, Any]) -> None:
+    """Every rank's stages ran under the checker (each rank holds other stages: the last one and its
+    loss included), and every rank that computed the loss checked it."""
+    ranks = result["ranks"]
+    # the loss runs in the stages' context too: the stages' forwards alone are the difference
+    forwards = [r["checked_in_stages"] - r["checked_in_loss"] for r in ranks]
+    assert all(f > 0 for f in forwards), f"ops checked in each rank's stage forwards: {forwards}"
+    assert any(r["loss_calls"] for r in ranks), "no rank computed the loss"
+    assert all(r["checked_in_loss"] > 0 for r in ranks if r["loss_calls"]), \
+        [(r["loss_calls"], r["checked_in_loss"]) for r in ranks]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("cell", list(SPMD_CELLS))
 def test_spmd_types_pipeline_matches_the_reference(cell: str) -> None:
     result = run_cell(SPMD_CELLS[cell], train=_train_counting_checked_ops)
-    assert_matches_reference(result["records"], pp_reference(SPMD_CELLS[cell].global_batch))
-    if SPMD_CELLS[cell].typecheck:
-        assert result["checked_in_stages"] > 0, result  # the stages ran under the checker
+    if SPMD_CELLS[cell].typecheck:  # every stage (the last one and the loss too) ran under the checker
+        assert_every_rank_checked(result)
+    assert_matches_reference(result["records"], pp_reference(SPMD_CELLS[cell].global_batch), result["trace"],
+                             what=cell)
 
 
 @pytest.mark.multiproc
