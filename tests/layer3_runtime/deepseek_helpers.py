@@ -168,3 +168,76 @@ def check(got: list[tuple[float, float]], grads: dict[str, float], layout: str) 
     grad_diff = max_rel([grads[n] for n in grads], [want[n] for n in grads]) if grads else 0.0
     assert grad_diff < NORM_TOL, (grads, want)
     return loss_diff, norm_diff, grad_diff
+
+
+def hf_model() -> tuple[object, dict]:
+    """A random transformers ``DeepseekV3ForCausalLM`` of ``tiny``'s sizes (transformers' own field names)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                  norm_topk_prob=True, first_k_dense_replace=1, tie_word_embeddings=False,
+                  max_position_embeddings=64, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0})
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval(), fields
+
+
+def check_hf_training(backend: str, layouts: tuple[str, ...], root: Any) -> dict[str, float]:
+    """For each of ``layouts`` (one launch of 4 gloo ranks): :func:`hf_model` saved in bfloat16 loads
+    through the trainer's sharded HF path (``--model.flavor from_hf``) under ``backend``; the step-1 loss
+    is transformers' cross-entropy of the source on the same global batch (relative ``TOL``), and an
+    export right after the load holds exactly the source's tensors (names, dtype, bits). Returns
+    layout -> the loss's relative difference."""
+    import torch
+    from hf_helpers import (
+        GLOBAL_BATCH,
+        NO_STEP_EXPORT,
+        STEPS,
+        _worker,
+        hf_cross_entropy,
+        hf_job,
+        read_safetensors,
+    )
+
+    warm_parent()
+    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
+
+    src = root / "src"
+    hf_model()[0].to(torch.bfloat16).save_pretrained(str(src))
+    cfgs = [hf_job("deepseek_v3", "from_hf", {**LAYOUTS[lay][1], "spmd_backend": backend},
+                   GLOBAL_BATCH // data_parallel(lay), src, root / lay) for lay in layouts]
+    per_rank = run_forked(_worker, 4, cfgs, timeout_s=300)
+    source = read_safetensors(src)
+    out = {}
+    for i, lay in enumerate(layouts):
+        r = per_rank[0][i]
+        assert all(p[i]["loss1"] == r["loss1"] and p[i]["steps"] == list(range(1, STEPS + 1)) for p in per_rank), lay
+        rows = {p[i]["dp_rank"]: p[i]["batch"] for p in per_rank}
+        tokens = [row for dp in sorted(rows) for row in rows[dp][0]]
+        labels = [row for dp in sorted(rows) for row in rows[dp][1]]
+        want = hf_cross_entropy(src, tokens, labels)
+        out[lay] = abs(r["loss1"] - want) / want
+        print(f"\nsharded HF load, {backend} {lay}: step-1 loss {r['loss1']:.6f}, transformers {want:.6f} "
+              f"({out[lay]:.1e} relative)")
+        assert out[lay] <= TOL, (backend, lay, r["loss1"], want)
+        exported = read_safetensors(root / lay / "checkpoint" / f"step-{NO_STEP_EXPORT}")
+        assert sorted(exported) == sorted(source), sorted(set(exported) ^ set(source))
+        for key, tensor in source.items():
+            assert exported[key].dtype == tensor.dtype and exported[key].equal(tensor), (lay, key)
+    return out
