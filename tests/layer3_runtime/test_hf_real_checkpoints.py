@@ -57,3 +57,11 @@ def test_tied_training_under_tp_equals_one_process(sources: dict[str, Path], tmp
         assert gap < 1e-4, (key, gap)  # an update is ~lr = 3e-3 per step
     source = read_safetensors(sources["qwen3_tied"])["model.embed_tokens.weight"]
     assert (torch.tensor(tp["weights"]["tok_embeddings.weight"]) - source).abs().max() > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+def test_llama31_pp2_fsdp2_matches_transformers(backend: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    """The Llama 3.1 shape at PP 2 x FSDP 2: each stage reads only its own tensors, step 1 gives
+    transformers' loss, and the export writes the whole model once (``hf_real_helpers.check``)."""
+    skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")  # the same data-parallel degree, 2
+    check(backend, "pp2_fsdp2", tmp_path, sources, ("llama31",))
