@@ -1,5 +1,5 @@
 """Layer 4: real checkpoint shapes (Llama 3.1 RoPE scaling, Llama 3.2 and Qwen3-0.6B tied
-embeddings) under ``spmd_types`` on FSDP 2 x TP 2, against transformers (``hf_real_helpers.check``)."""
+embeddings) under ``spmd_types`` on FSDP 2 x TP 2 and (Llama 3.1) PP 2 x FSDP 2, against transformers (``hf_real_helpers.check``)."""
 
 from __future__ import annotations
 
