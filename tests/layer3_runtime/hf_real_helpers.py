@@ -211,3 +211,37 @@ def check(backend: str, layout: str, root: Path, sources: dict[str, Path],
         assert logits_gap < TOL, f"{name}: exported logits differ by {logits_gap} (relative)"
         gaps[name] = {"loss_rel": rel, "logits": logits_gap, "loss1": r["loss1"]}
     return gaps
+
+
+def without_tensor(src: Path, dst: Path, key: str) -> Path:
+    """A copy of the one-file folder ``src`` lacking tensor ``key``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    tensors = read_safetensors(dst)
+    del tensors[key]
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _setup_error(rank: int, world: int, cfg: JobConfig) -> str | None:
+    """The ValueError this rank's Trainer stops with (None: it started)."""
+    from torchtitan_spmd.train import Trainer
+
+    try:
+        Trainer(cfg).close()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def setup_errors(cfg: JobConfig, world: int) -> list[str | None]:
+    """Every rank's setup error for ``cfg`` on ``world`` forked ranks (a rank left waiting in a
+    collective makes it a TimeoutError)."""
+    warm_parent()
+    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
+
+    return run_forked(_setup_error, world, cfg, timeout_s=90)
