@@ -418,6 +418,10 @@ class ProfilerConfig(Section):
     """Dump CUDA memory snapshots (``torch.cuda.memory._record_memory_history``); on CPU one
     start-up line says there are none."""
 
+    memory_snapshot_freq: int | None = None
+    """Upstream b5bcd76's: dump a memory snapshot every ``memory_snapshot_freq`` steps, whatever
+    the trace schedule; None (the default) is ``profile_freq``, the cadence before the field."""
+
     save_memory_snapshot_folder: str = "profiling/memory_snapshot"
     """Folder under ``job.dump_folder`` of the snapshots."""
 
@@ -430,6 +434,8 @@ class ProfilerConfig(Section):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.profiler_warmup >= 0, "profiler_warmup", "must be >= 0")
         self._require(self.memory_snapshot_max_entries >= 1, "memory_snapshot_max_entries", "must be >= 1")
+        self._require(self.memory_snapshot_freq is None or self.memory_snapshot_freq >= 1, "memory_snapshot_freq",
+                      "must be >= 1, or None (profile_freq)")
         for name in ("profiler_repeat", "profiler_skip_first", "profiler_skip_first_wait"):
             self._require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0, or None")
         self._require(self.profile_freq >= self.profiler_warmup + self.profiler_active, "profile_freq",
