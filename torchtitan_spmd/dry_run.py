@@ -306,8 +306,7 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
 
 def _microbatch(job_config: JobConfig, pipeline: Any) -> int:
     """Sequences per microbatch: the pipeline's microbatch, else ``training.local_batch_size``."""
-    return (job_config.parallelism.pipeline_parallel_microbatch_size if pipeline is not None
-            else job_config.training.local_batch_size)
+    return pipeline.microbatch_rows if pipeline is not None else job_config.training.local_batch_size
 
 
 def _microbatches_in_flight(setup: Any, pipeline: Any) -> int:
@@ -440,8 +439,7 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     from torchtitan_spmd.config import TORCH_DTYPE_MAP  # noqa: PLC0415
 
     pd, training = setup.parallel_dims, job_config.training
-    batch = (job_config.parallelism.pipeline_parallel_microbatch_size if pipeline is not None
-             else training.local_batch_size)
+    batch = pipeline.microbatch_rows if pipeline is not None else training.local_batch_size
     tokens = batch * training.seq_len // pd.cp
     dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if pd.dp_shard * pd.cp > 1 else torch.float32
     names = ([m for names in pipeline.module_names for m in names] if pipeline is not None
@@ -745,7 +743,7 @@ def comm_bytes_per_step(job_config: JobConfig, setup: Any, pipeline: Any, built:
     pd, training, par = setup.parallel_dims, job_config.training, job_config.parallelism
     axes = axis_names(pd)
     microbatches = pipeline.n_microbatches if pipeline is not None else setup.gradient_accumulation_steps
-    batch = par.pipeline_parallel_microbatch_size if pipeline is not None else training.local_batch_size
+    batch = pipeline.microbatch_rows if pipeline is not None else training.local_batch_size
     dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if pd.dp_shard * pd.cp > 1 else torch.float32
     names = ([m for names in pipeline.module_names for m in names] if pipeline is not None
              else setup.model_spec.part_names(setup.model_config))

@@ -187,15 +187,17 @@ def test_num_pp_microbatches_default_follows_the_surface(surface, name: str, def
     """August's default is upstream's int 1 (b5bcd76's trainer does ``num_pp_microbatches <= 0``)."""
     surface(name)
     assert ParallelismConfig().num_pp_microbatches == default
-    # the default with PP is not the unmapped case: 1 or None keep this library's split
     JobConfig(parallelism=ParallelismConfig(pipeline_parallel_degree=2))
 
 
-def test_num_pp_microbatches_under_pp_is_a_setup_error() -> None:
-    JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=4))  # ignored without PP, as upstream
-    JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=1, pipeline_parallel_degree=2))
-    with pytest.raises(ValueError, match="parallelism.num_pp_microbatches=4 with parallelism.pipeline_parallel_degree=2"):
-        JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=4, pipeline_parallel_degree=2))
+@pytest.mark.parametrize("value", [1, 2, 4])
+def test_num_pp_microbatches_reads_back_with_and_without_pp(value: int) -> None:
+    """Mapped onto this library's pipeline (``pipeline_rows``, tests/layer3_runtime/test_token_budgets.py)."""
+    assert JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=value)).parallelism.num_pp_microbatches == value
+    pp = JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=value, pipeline_parallel_degree=2))
+    assert pp.parallelism.num_pp_microbatches == value
+    with pytest.raises(ValueError, match=r"parallelism.num_pp_microbatches must be >= 1, or None \(not set\), got 0"):
+        ParallelismConfig(num_pp_microbatches=0)
 
 
 def test_june_removed_fields_keep_working(surface) -> None:

@@ -35,7 +35,6 @@ from .configs import (
     TokenizerConfig,
     TrainingConfig,
     ValidatorConfig,
-    check_august_fields,
 )
 
 __all__ = ["JobConfig", "SpmdTypecheckingWarning"]
@@ -149,7 +148,6 @@ class JobConfig:
         """
         for name in _SECTIONS:
             getattr(self, name).check()
-        check_august_fields(self.parallelism)
         _legacy.move_renamed_fields(self)  # compat hook: training.dataset* -> dataloader.*, model.hf_assets_path
         for name, tp in _ROOT_FIELDS.items():
             object.__setattr__(self, name, check_value(name, getattr(self, name), tp))
