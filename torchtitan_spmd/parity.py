@@ -417,7 +417,6 @@ def data_parallel_degree(base: JobConfig, nproc: int) -> int:
 
 def _run_reference(base: JobConfig, nproc: int) -> list[tuple[float, float]]:
     from torchtitan_spmd.reference import run_reference
-
     from torchtitan_spmd.techniques.pipeline_parallel import pipeline_rows
 
     rows = base.training.local_batch_size  # a data-parallel rank's sequences; under PP the schedule's iteration

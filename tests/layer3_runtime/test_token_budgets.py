@@ -102,7 +102,15 @@ def test_num_pp_microbatches_trains_upstreams_step(monkeypatch: pytest.MonkeyPat
     """An August job at PP 2 (1F1B, 2 ranks): 2 pipeline microbatches of one 32-token sequence each,
     2 accumulation iterations (``num_tokens_per_train_step`` = 2 x 2 x 32): 4 sequences a step, against
     the reference on the same 4-sequence global batch; the schedule runs 2 microbatches."""
-    from parity_helpers import NORM_TOL, SEQ_LEN, TOL, check_grad_norms, max_rel, reference_with_trace, run_config
+    from parity_helpers import (
+        NORM_TOL,
+        SEQ_LEN,
+        TOL,
+        check_grad_norms,
+        max_rel,
+        reference_with_trace,
+        run_config,
+    )
 
     from torchtitan_spmd.config import JobConfig
     from torchtitan_spmd.config.surface import ENV_VAR, set_surface
