@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
+
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
 
@@ -447,7 +449,7 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     indices = [int(m.split(".")[1]) for m in names if m.startswith("layers.")]
     holds_output = "output" in names
     blocks, rest = _count_saved(setup, batch, training.seq_len // pd.cp, dtype)
-    mode = job_config.activation_checkpoint.mode
+    mode = ac_section(job_config.activation_checkpoint).mode
     if mode == "full":
         dim = setup.model_config.dim
         per_block = tokens * dim * dtype.itemsize // (pd.tp if job_config.parallelism.enable_sequence_parallel else 1)
@@ -761,7 +763,7 @@ def comm_bytes_per_step(job_config: JobConfig, setup: Any, pipeline: Any, built:
         ep = pd.get_optional_mesh("ep").get_group(0)
         top_k, experts = moe[0]
         rows = tokens // pd.tp * top_k * setup.model_config.dim * dtype.itemsize
-        full_ac = job_config.activation_checkpoint.mode == "full"
+        full_ac = ac_section(job_config.activation_checkpoint).mode == "full"
         per_block = (ring_bytes("all_to_all", rows, ep.size()) * (6 if full_ac else 4)
                      + ring_bytes("all_to_all", experts * 8, ep.size()) * (2 if full_ac else 1))
         _add(out, axes.get(ep.group_name, "ep"), per_block, len(moe) * microbatches)

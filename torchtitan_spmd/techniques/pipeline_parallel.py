@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
 from torchtitan_spmd.distributed.apply_plan import plain_fqn
 from torchtitan_spmd.distributed.plan import ShardingPlan, boundary_dst, fqn_matches
 
@@ -519,7 +520,7 @@ class PipelineStages:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is a multi-stage schedule (>= 2 "
                              f"stages a rank), but {where} {num_stages} stages, {per_rank} a rank at "
                              f"pipeline_parallel_degree={pp}.")
-        ac_mode = job_config.activation_checkpoint.mode
+        ac_mode = ac_section(job_config.activation_checkpoint).mode
         if csv and ac_mode == "selective" and _csv_splits_backward(csv):
             raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r} splits backwards in two (I and W "
                              f"actions), which activation_checkpoint.mode='selective' cannot run; use mode 'full' or "
