@@ -4,6 +4,7 @@ now: ``S(0)@tp`` on both sides), per backend, interleaved in one run.
 
     python bench/tied_bench.py
     python bench/tied_bench.py --backends default --steps 12 --flavor debugmodel
+    python bench/tied_bench.py --vocab 32768    # a WordLevel tokenizer of 32,768 ids (hf_assets_path)
 
 Every rank builds one trainer per (backend, plan) on the same data and seed, the family's
 flavour with ``enable_weight_tying=True``; the steps are interleaved (step 1 of every variant,
@@ -11,7 +12,9 @@ then step 2, ...; the order rotates every step). The ``replicated`` variant's pl
 vocab-parallel one with the two tied entries restated as before (the embedding's and the
 output's weight ``R@tp``; the output computes every vocabulary column from the gathered
 sequence and keeps its slice of them). The first ``--warmup`` steps are dropped; a step's wall
-time is its slowest rank's. Also prints each variant's first loss (both plans compute the same
+time is its slowest rank's. ``--vocab N``: the vocabulary is a local WordLevel tokenizer's of
+``N`` ids (the synthetic text maps mostly to its unknown id: the numbers are times, not
+learning); otherwise the byte tokenizer's 320. Also prints each variant's first loss (both plans compute the same
 model: they agree to float32 rounding).
 """
 
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,10 +65,12 @@ def _replicated(plan_fn: Any) -> Any:
 
 def _config(backend: str, args: argparse.Namespace) -> JobConfig:
     return JobConfig.from_dict({
+        **({"hf_assets_path": args.assets} if args.assets else {}),
         "model": {"name": args.model, "flavor": TIED},
         "training": {"steps": args.steps, "local_batch_size": args.local_batch_size, "seq_len": args.seq_len,
                      "device": "cpu", "mixed_precision_param": "float32"},
         "activation_checkpoint": {"mode": "none"},
+        "lr_scheduler": {"warmup_steps": 2},
         "parallelism": {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "spmd_backend": backend},
         "debug": {"seed": 0},
     })
@@ -95,16 +102,44 @@ def _worker(rank: int, world: int, variants: list[tuple[str, str]], args: argpar
     return {"times": times, "losses": losses, "layouts": layouts}
 
 
+def _available() -> list[str]:
+    """The backends with a runtime in this build (a stack prefix may lack ``spmd_types``)."""
+    from torchtitan_spmd.distributed.representation import get_representation
+
+    out = []
+    for name in ("default", "full_dtensor", "spmd_types"):
+        try:
+            get_representation(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="default,full_dtensor,spmd_types")
+    parser.add_argument("--backends", default=",".join(_available()))
     parser.add_argument("--model", default="llama3")
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--local-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=None, help="a WordLevel tokenizer of this many ids")
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        args.assets = None
+        if args.vocab:
+            from tokenizers import Tokenizer
+            from tokenizers.models import WordLevel
+
+            Tokenizer(WordLevel({f"t{i}": i for i in range(args.vocab)}, unk_token="t0")).save(
+                os.path.join(folder, "tokenizer.json"))
+            args.assets = folder
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     spec = get_model_spec(args.model)
     spec.flavors[TIED] = dataclasses.replace(spec.flavors[args.flavor], enable_weight_tying=True)  # type: ignore[index]
     variants = [(b, p) for b in args.backends.split(",") if b for p in PLANS]
@@ -114,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(per_rank[0]["times"])
     cfg = spec.model_config(TIED)
     print(f"\n4 gloo ranks, FSDP 2 x TP 2 (sequence and loss parallel), {args.model} {args.flavor} tied "
-          f"(dim {cfg.dim}; the tokenizer's vocabulary: see the table's model), local batch "
+          f"(dim {cfg.dim}, vocabulary {args.vocab or 320}), local batch "
           f"{args.local_batch_size} x seq {args.seq_len}, fp32, {args.steps - args.warmup} measured steps "
           f"after {args.warmup} warm-up, interleaved; wall {wall:.0f} s\n")
     print("| backend | output weight | median step (s) | min (s) | after / before | step-1 loss |")

@@ -202,7 +202,14 @@ class VocabShardedEmbedding(nn.Embedding):
                              persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of this rank's table for the ``tokens`` it holds, zeros for the others."""
+        """Rows of this rank's table for the ``tokens`` it holds, zeros for the others.
+
+        DTensor ``tokens`` (a plan that does not declare this module a local region, under
+        ``full_dtensor``): DTensor computes the lookup itself."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tokens, DTensor):
+            return F.embedding(tokens, self.weight)
         weight, ids = _local_shard_weight(self.weight), _local_value(self.vocab_ids)
         if weight.shape[0] == self.num_embeddings:  # the whole table
             return F.embedding(tokens, weight)
