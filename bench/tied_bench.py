@@ -13,8 +13,7 @@ vocab-parallel one with the two tied entries restated as before (the embedding's
 output's weight ``R@tp``; the output computes every vocabulary column from the gathered
 sequence and keeps its slice of them). The first ``--warmup`` steps are dropped; a step's wall
 time is its slowest rank's. ``--vocab N``: the vocabulary is a local WordLevel tokenizer's of
-``N`` ids (the synthetic text maps mostly to its unknown id: the numbers are times, not
-learning); otherwise the byte tokenizer's 320. Also prints each variant's first loss (both plans compute the same
+``N`` ids on a text of random words of it; otherwise the byte tokenizer's 320. Also prints each variant's first loss (both plans compute the same
 model: they agree to float32 rounding).
 """
 
@@ -65,7 +64,8 @@ def _replicated(plan_fn: Any) -> Any:
 
 def _config(backend: str, args: argparse.Namespace) -> JobConfig:
     return JobConfig.from_dict({
-        **({"hf_assets_path": args.assets} if args.assets else {}),
+        **({"hf_assets_path": args.assets, "dataloader": {"dataset": "text", "dataset_path": os.path.join(
+            args.assets, "corpus.txt")}} if args.assets else {}),
         "model": {"name": args.model, "flavor": TIED},
         "training": {"steps": args.steps, "local_batch_size": args.local_batch_size, "seq_len": args.seq_len,
                      "device": "cpu", "mixed_precision_param": "float32"},
@@ -130,11 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         args.assets = None
         if args.vocab:
+            import random
+
             from tokenizers import Tokenizer
             from tokenizers.models import WordLevel
+            from tokenizers.pre_tokenizers import WhitespaceSplit
 
-            Tokenizer(WordLevel({f"t{i}": i for i in range(args.vocab)}, unk_token="t0")).save(
-                os.path.join(folder, "tokenizer.json"))
+            tok = Tokenizer(WordLevel({f"t{i}": i for i in range(args.vocab)}, unk_token="t0"))
+            tok.pre_tokenizer = WhitespaceSplit()
+            tok.save(os.path.join(folder, "tokenizer.json"))
+            with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+                f.write('{"bos_token": "t0", "eos_token": "t1"}')
+            rng = random.Random(0)  # random words of the vocabulary, one document per line
+            with open(os.path.join(folder, "corpus.txt"), "w") as f:
+                for _ in range(64):
+                    f.write(" ".join(f"t{rng.randrange(args.vocab)}" for _ in range(2048)) + "\n")
             args.assets = folder
         return _run(args)
 
