@@ -639,6 +639,8 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
         x, y = prepare_inputs(tokens, tokens, rep)
         kwargs = {} if context_parallel is None else {  # this rank's positions, as the trainer's step
             "positions": prepare_positions(context_parallel.positions(batch, seq, device="meta"), rep)}
+        if getattr(setup.model_config, "attn_mask_type", "causal") == "block_causal":  # per-document positions
+            kwargs["positions"] = prepare_positions(torch.zeros(batch, seq, dtype=torch.long, device="meta"), rep)
         context = get_train_context(enable_loss_parallel=pd.tp_enabled and not job_config.parallelism.disable_loss_parallel,
                                     parallel_dims=pd, representation=rep, spmd_typechecking=False)
         counter = _CommCounter()
