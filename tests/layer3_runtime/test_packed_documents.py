@@ -125,10 +125,11 @@ def test_block_causal_parity_fsdp2_tp2(backend: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("backend", ["default"])
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
 def test_block_causal_parity_pp2_fsdp2(backend: str) -> None:
     """Under PP every stage gets the positions (a schedule keyword, split as the tokens): the later
     stage's attention masks by document too."""
+    skip_full_dtensor_on_old_torch(backend, "fsdp4")  # data parallelism under full_dtensor
     cfg = packed_config(backend, {"data_parallel_shard_degree": 2, "pipeline_parallel_degree": 2,
                                   "pipeline_parallel_microbatch_size": 1, "pipeline_parallel_schedule": "1F1B"})
     cfg.training.global_batch_size = LOCAL_BATCH * 2
