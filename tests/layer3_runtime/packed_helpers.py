@@ -17,7 +17,7 @@ from torchtitan_spmd.config import JobConfig
 
 #: Tokens per window: several documents each.
 SEQ_LEN = 128
-STEPS = 4
+STEPS = 3
 LOCAL_BATCH = 2
 FLAVOR = "tiny_block_causal"
 
