@@ -13,7 +13,10 @@ set (``VmHWM``) of each run and the number of documents per window. Then the att
 alone (the debug model's shapes: 16 query heads, 8 key/value heads, head width 16), forward and
 backward, ``is_causal`` against the block-causal boolean mask (built from the positions each
 call, as the model does per layer), ``--kernel-reps`` interleaved repetitions, the minimum of
-each. Prints markdown tables.
+each; and the model alone (forward, loss, backward on the same batch, no trainer, both models
+in this process), ``--model-reps`` interleaved repetitions, the minimum of each. The interleaved
+minima are the figures to compare on a loaded machine; ``--skip-trainer`` runs only those.
+Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -104,6 +107,29 @@ def _kernel(args: argparse.Namespace) -> dict[str, float]:
     return best
 
 
+def _model(args: argparse.Namespace) -> dict[str, float]:
+    import torch
+
+    from torchtitan_spmd.data import build_dataloader
+    from torchtitan_spmd.distributed.inputs import document_positions
+    from torchtitan_spmd.models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    models = {mask: spec.build_initialized(flavor, seed=0, max_seq_len=args.seq_len) for mask, flavor in FLAVORS.items()}
+    tokens, labels = next(build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=args.local_batch_size,
+                                           seq_len=args.seq_len, seed=0))
+    positions = document_positions(tokens, 257)
+    best = {mask: float("inf") for mask in models}
+    for _ in range(args.model_reps):
+        for mask, model in models.items():
+            start = time.perf_counter()
+            logits = model(tokens) if mask == "causal" else model(tokens, positions=positions)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+            best[mask] = min(best[mask], time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -112,22 +138,31 @@ def main() -> None:
     parser.add_argument("--local-batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kernel-reps", type=int, default=10)
+    parser.add_argument("--model-reps", type=int, default=3)
+    parser.add_argument("--skip-trainer", action="store_true")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in FLAVORS}
-    for _ in range(args.rounds):
+    for _ in range(0 if args.skip_trainer else args.rounds):
         for mask, flavor in FLAVORS.items():
             runs[mask].append(run_forked(_worker, 1, flavor, args, timeout_s=1800)[0])
     print(f"llama3 debugmodel, seq {args.seq_len} x local batch {args.local_batch_size}, 1 process, fp32, "
           f"{args.steps} steps x {args.rounds} rounds; about {_documents_per_window(args):.1f} documents a window\n")
-    print("| attn_mask_type | step (s): median | min | peak RSS (MiB) | loss at the last step |")
-    print("|---|---|---|---|---|")
-    best = {}
-    for mask, rs in runs.items():
-        steps = [t for r in rs for t in r["times"][1:]]
-        best[mask] = min(steps)
-        print(f"| {mask} | {statistics.median(steps):.3f} | {min(steps):.3f} | {max(r['rss'] for r in rs):.0f} | "
-              f"{rs[-1]['losses'][-1]:.4f} |")
-    print(f"\nblock_causal / causal step time (min): {best['block_causal'] / best['causal']:.2f}x\n")
+    if not args.skip_trainer:
+        print("| attn_mask_type | step (s): median | min | peak RSS (MiB) | loss at the last step |")
+        print("|---|---|---|---|---|")
+        best = {}
+        for mask, rs in runs.items():
+            steps = [t for r in rs for t in r["times"][1:]]
+            best[mask] = min(steps)
+            print(f"| {mask} | {statistics.median(steps):.3f} | {min(steps):.3f} | {max(r['rss'] for r in rs):.0f} | "
+                  f"{rs[-1]['losses'][-1]:.4f} |")
+        print(f"\nblock_causal / causal step time (min): {best['block_causal'] / best['causal']:.2f}x\n")
+    model = _model(args)
+    print("| model alone: forward, loss, backward | min (s) |")
+    print("|---|---|")
+    for mask, t in model.items():
+        print(f"| {mask} | {t:.3f} |")
+    print(f"\nblock_causal / causal model time: {model['block_causal'] / model['causal']:.2f}x\n")
     kernel = _kernel(args)
     print("| attention kernel, forward + backward | min (ms) |")
     print("|---|---|")
