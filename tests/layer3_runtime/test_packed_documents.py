@@ -136,3 +136,16 @@ def test_block_causal_parity_pp2_fsdp2(backend: str) -> None:
     got = run_config(cfg, 4)
     loss, norm = check_packed_parity(got, LOCAL_BATCH * 2, f"block_causal {backend} pp2_fsdp2")
     print(f"\nblock_causal {backend} pp2_fsdp2: max rel diff loss {loss:.1e} grad_norm {norm:.1e}")
+
+
+def test_block_causal_needs_a_tokenizer_with_an_eos_id() -> None:
+    from types import SimpleNamespace
+
+    from torchtitan_spmd.train import packed_documents_eos
+
+    spec = get_model_spec("llama3")
+    job = JobConfig.from_dict({"model": {"flavor": "tiny_block_causal"}})
+    assert packed_documents_eos(spec.flavors["tiny_block_causal"], SimpleNamespace(eos_id=7), job) == 7
+    assert packed_documents_eos(spec.flavors["tiny"], SimpleNamespace(eos_id=None), job) is None
+    with pytest.raises(ValueError, match="attn_mask_type='block_causal'.*has no eos_id"):
+        packed_documents_eos(spec.flavors["tiny_block_causal"], SimpleNamespace(eos_id=None), job)
