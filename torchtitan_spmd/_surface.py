@@ -49,6 +49,10 @@ class Surface:
     """The default of ``parallelism.num_pp_microbatches``: None (June has no such field) or
     upstream b5bcd76's ``1`` (its trainer compares the value with 0 and multiplies by it)."""
 
+    activation_checkpoint_policies: bool = False
+    """The default of a root's ``activation_checkpoint``: June's section (``mode="selective"``), or
+    upstream b5bcd76's policy config ``SelectiveAC.Config()`` (#3674): the same policy."""
+
 
 SURFACES: dict[str, Surface] = {
     "june": Surface(
@@ -63,6 +67,7 @@ SURFACES: dict[str, Surface] = {
         default_backend="spmd_types",
         spellings={"default": "partial_dtensor", "full_dtensor": "full_dtensor", "spmd_types": "spmd_types"},
         num_pp_microbatches=1,
+        activation_checkpoint_policies=True,
         deprecated={
             "default": (
                 UpstreamRenamedWarning,

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
+
 if TYPE_CHECKING:
     from torchtitan_spmd.config import JobConfig
 
@@ -306,8 +308,7 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
 
 def _microbatch(job_config: JobConfig, pipeline: Any) -> int:
     """Sequences per microbatch: the pipeline's microbatch, else ``training.local_batch_size``."""
-    return (job_config.parallelism.pipeline_parallel_microbatch_size if pipeline is not None
-            else job_config.training.local_batch_size)
+    return pipeline.microbatch_rows if pipeline is not None else job_config.training.local_batch_size
 
 
 def _microbatches_in_flight(setup: Any, pipeline: Any) -> int:
@@ -451,8 +452,7 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     from torchtitan_spmd.config import TORCH_DTYPE_MAP  # noqa: PLC0415
 
     pd, training = setup.parallel_dims, job_config.training
-    batch = (job_config.parallelism.pipeline_parallel_microbatch_size if pipeline is not None
-             else training.local_batch_size)
+    batch = pipeline.microbatch_rows if pipeline is not None else training.local_batch_size
     tokens = batch * training.seq_len // pd.cp
     dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if pd.dp_shard * pd.cp > 1 else torch.float32
     names = ([m for names in pipeline.module_names for m in names] if pipeline is not None
@@ -460,7 +460,7 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     indices = [int(m.split(".")[1]) for m in names if m.startswith("layers.")]
     holds_output = "output" in names
     blocks, rest = _count_saved(setup, batch, training.seq_len // pd.cp, dtype)
-    mode = job_config.activation_checkpoint.mode
+    mode = ac_section(job_config.activation_checkpoint).mode
     if mode == "full":
         dim = setup.model_config.dim
         per_block = tokens * dim * dtype.itemsize // (pd.tp if job_config.parallelism.enable_sequence_parallel else 1)
@@ -758,7 +758,7 @@ def comm_bytes_per_step(job_config: JobConfig, setup: Any, pipeline: Any, built:
     pd, training, par = setup.parallel_dims, job_config.training, job_config.parallelism
     axes = axis_names(pd)
     microbatches = pipeline.n_microbatches if pipeline is not None else setup.gradient_accumulation_steps
-    batch = par.pipeline_parallel_microbatch_size if pipeline is not None else training.local_batch_size
+    batch = pipeline.microbatch_rows if pipeline is not None else training.local_batch_size
     dtype = TORCH_DTYPE_MAP[training.mixed_precision_param] if pd.dp_shard * pd.cp > 1 else torch.float32
     names = ([m for names in pipeline.module_names for m in names] if pipeline is not None
              else setup.model_spec.part_names(setup.model_config))
@@ -776,7 +776,7 @@ def comm_bytes_per_step(job_config: JobConfig, setup: Any, pipeline: Any, built:
         ep = pd.get_optional_mesh("ep").get_group(0)
         top_k, experts = moe[0]
         rows = tokens // pd.tp * top_k * setup.model_config.dim * dtype.itemsize
-        full_ac = job_config.activation_checkpoint.mode == "full"
+        full_ac = ac_section(job_config.activation_checkpoint).mode == "full"
         per_block = (ring_bytes("all_to_all", rows, ep.size()) * (6 if full_ac else 4)
                      + ring_bytes("all_to_all", experts * 8, ep.size()) * (2 if full_ac else 1))
         _add(out, axes.get(ep.group_name, "ep"), per_block, len(moe) * microbatches)

@@ -417,8 +417,12 @@ def data_parallel_degree(base: JobConfig, nproc: int) -> int:
 
 def _run_reference(base: JobConfig, nproc: int) -> list[tuple[float, float]]:
     from torchtitan_spmd.reference import run_reference
+    from torchtitan_spmd.techniques.pipeline_parallel import pipeline_rows
 
-    return run_reference(base, global_batch=base.training.local_batch_size * data_parallel_degree(base, nproc))
+    rows = base.training.local_batch_size  # a data-parallel rank's sequences; under PP the schedule's iteration
+    if base.parallelism.pipeline_parallel_degree > 1:
+        rows = pipeline_rows(base.parallelism, base.training)[0]
+    return run_reference(base, global_batch=rows * data_parallel_degree(base, nproc))
 
 
 def collect(base: JobConfig, *, nproc: int, backends: Sequence[str] = BACKENDS,

@@ -95,6 +95,9 @@ class Architecture:
     """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
     dense_layers: int = 0
     """The first this many blocks are dense even with ``moe`` (DeepSeek's ``first_k_dense_replace``)."""
+    tied: bool = False
+    """Tied embeddings (``enable_weight_tying``): there is no ``output.weight``; the logits are the
+    final hidden states times the embedding table's transpose, so its gradient has both parts."""
     document_eos: int | None = None
     """Packed documents (``attn_mask_type="block_causal"``): the EOS id that ends each document.
     A token then attends only to the earlier tokens of its own document, its RoPE position is
@@ -373,8 +376,9 @@ def _layer_count(weights: Mapping[str, torch.Tensor]) -> int:
 
 
 def _expected_names(n_layers: int, qk_norm: bool, moe: MoEArchitecture | None = None,
-                    mla: MLAArchitecture | None = None, dense_layers: int = 0, q_lora: bool = False) -> set[str]:
-    names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+                    mla: MLAArchitecture | None = None, dense_layers: int = 0, q_lora: bool = False,
+                    tied: bool = False) -> set[str]:
+    names = {"tok_embeddings.weight", "norm.weight"} | (set() if tied else {"output.weight"})
     if mla is None:
         attention = [f"attention.{m}.weight" for m in "wq wk wv wo".split()]
     else:
@@ -398,7 +402,7 @@ def _expected_names(n_layers: int, qk_norm: bool, moe: MoEArchitecture | None = 
 def _check_names(weights: Mapping[str, torch.Tensor], arch: Architecture) -> int:
     n_layers = _layer_count(weights)
     q_lora = arch.mla is not None and "layers.0.attention.wq_a.weight" in weights
-    expected = _expected_names(n_layers, arch.qk_norm, arch.moe, arch.mla, arch.dense_layers, q_lora)
+    expected = _expected_names(n_layers, arch.qk_norm, arch.moe, arch.mla, arch.dense_layers, q_lora, arch.tied)
     if set(weights) != expected:
         raise ValueError(f"reference: the weights do not match the architecture: missing "
                          f"{sorted(expected - set(weights))}, unexpected {sorted(set(weights) - expected)}.")
@@ -431,7 +435,8 @@ def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Arc
             continue
         gate = F.silu(x @ weights[p + "feed_forward.w1.weight"].T) * (x @ weights[p + "feed_forward.w3.weight"].T)
         h = h + gate @ weights[p + "feed_forward.w2.weight"].T
-    return _rms_norm(h, weights["norm.weight"], arch.norm_eps) @ weights["output.weight"].T
+    out = weights["tok_embeddings.weight" if arch.tied else "output.weight"]
+    return _rms_norm(h, weights["norm.weight"], arch.norm_eps) @ out.T
 
 
 # ----------------------------------------------------------------------------- training
@@ -624,7 +629,8 @@ def architecture(job_config: JobConfig, model_config: Any) -> Architecture:
     return Architecture(rope=rope, qk_norm=qk_norm, head_dim=int(c.head_dim), norm_eps=float(c.norm_eps),
                         rope_theta=float(c.rope_theta), moe=moe, mla=mla,
                         dense_layers=int(getattr(c, "first_k_dense_replace", 0)),
-                        rope_scaling=() if mla is not None else _scaling_fields(c))
+                        rope_scaling=() if mla is not None else _scaling_fields(c),
+                        tied=bool(getattr(c, "enable_weight_tying", False)))
 
 
 def _scaling_fields(model_config: Any) -> tuple[tuple[str, Any], ...]:

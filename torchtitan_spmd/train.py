@@ -158,18 +158,23 @@ class StepRecord:
         return line
 
 
-def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
-    """Microbatches per step: ``global_batch_size / (local_batch_size * dp_degree)`` (-1: 1).
+def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int, *,
+                                num_pp_microbatches: int = 1) -> int:
+    """Microbatches per step: ``global_batch_size / (local_batch_size * num_pp_microbatches * dp_degree)``
+    (-1: 1), upstream b5bcd76's ``num_tokens_per_train_step / (num_tokens_per_microbatch_per_dp_rank *
+    num_pp_microbatches * dp)`` counted in sequences (``num_pp_microbatches``: the pipeline microbatches
+    of ``local_batch_size`` sequences an iteration, :attr:`PipelineStages.num_pp_microbatches`).
 
     Raises ``ValueError`` naming the fields when that is not a positive whole number.
     """
-    per_microbatch = local_batch_size * dp_degree
+    per_microbatch = local_batch_size * num_pp_microbatches * dp_degree
     if global_batch_size < 0:
         return 1
     if global_batch_size < per_microbatch or global_batch_size % per_microbatch:
+        pp = f" x parallelism.num_pp_microbatches={num_pp_microbatches}" if num_pp_microbatches != 1 else ""
         raise ValueError(
             f"training.global_batch_size={global_batch_size} must be a positive multiple of "
-            f"training.local_batch_size={local_batch_size} x the data-parallel degree {dp_degree} "
+            f"training.local_batch_size={local_batch_size}{pp} x the data-parallel degree {dp_degree} "
             f"(= {per_microbatch}); the multiple is the number of gradient-accumulation microbatches."
         )
     return global_batch_size // per_microbatch
@@ -242,6 +247,10 @@ class JobSetup:
     stages: PipelineStages | None
     gradient_accumulation_steps: int
     seed: int
+    #: Sequences of one gradient-accumulation microbatch on one data-parallel rank: under pipeline
+    #: parallelism the schedule's iteration (:attr:`PipelineStages.local_rows`), else
+    #: ``training.local_batch_size``.
+    local_rows: int
 
 
 def packed_documents_eos(model_config: Any, tokenizer: Any, job_config: JobConfig) -> int | None:
@@ -296,18 +305,20 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
             validate_param_groups(job_config.optimizer, model_spec.build(model_config))
     validate_compile(job_config, representation)
     training = job_config.training
+    stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
-                                        parallel_dims.dp_replicate * parallel_dims.dp_shard)
+                                        parallel_dims.dp_replicate * parallel_dims.dp_shard,
+                                        num_pp_microbatches=stages.num_pp_microbatches if stages else 1)
     plan = expert_parallel_plan(model_spec.sharding_plan(
         model_config, sequence_parallel=par.enable_sequence_parallel,
         loss_parallel=not par.disable_loss_parallel,
     ), parallel_dims)
-    stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     validate_validator(job_config, stages)
     return JobSetup(parallel_dims=parallel_dims, model_spec=model_spec, model_config=model_config,
                     tokenizer=tokenizer, representation=representation, plan=plan, stages=stages,
                     gradient_accumulation_steps=steps,
-                    seed=job_config.debug.seed if job_config.debug.seed is not None else 0)
+                    seed=job_config.debug.seed if job_config.debug.seed is not None else 0,
+                    local_rows=stages.local_rows if stages else training.local_batch_size)
 
 
 class AgreedSetupError(ValueError):
@@ -466,6 +477,8 @@ class Trainer:
         self.model_spec, self.model_config, self.tokenizer = setup.model_spec, setup.model_config, setup.tokenizer
         self.plan, self.seed = setup.plan, setup.seed
         self.gradient_accumulation_steps = setup.gradient_accumulation_steps
+        #: Sequences of one gradient-accumulation microbatch on this data-parallel rank (JobSetup.local_rows).
+        self.local_rows = setup.local_rows
         #: block_causal: the EOS id that splits packed documents (None: causal).
         self.packed_documents_eos = packed_documents_eos(self.model_config, self.tokenizer, job_config)
 
@@ -548,7 +561,7 @@ class Trainer:
 
     def build_dataloader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches. Each step reads this rank's rows of the global batch at once; the
-        step splits them into its microbatches of ``local_batch_size``. The data depends only on
+        step splits them into its microbatches of :attr:`local_rows`. The data depends only on
         the seed and the position (not on ``training.steps``), and the global batch is
         rank-major, so every layout sees the same data."""
         training = self.job_config.training
@@ -556,7 +569,7 @@ class Trainer:
         return build_dataloader(
             dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
             dp_degree=batch_mesh.size() if batch_mesh is not None else 1,
-            local_batch_size=training.local_batch_size * self.gradient_accumulation_steps,
+            local_batch_size=self.local_rows * self.gradient_accumulation_steps,
             seq_len=training.seq_len, seed=self.seed,
             dataset=self.job_config.dataloader.dataset, dataset_path=self.job_config.dataloader.dataset_path, tokenizer=self.tokenizer,
         )
@@ -637,7 +650,8 @@ class Trainer:
         """Run optimizer step number ``step`` (1-based).
 
         This rank's rows of the global batch are split into
-        ``gradient_accumulation_steps`` microbatches of ``training.local_batch_size``;
+        ``gradient_accumulation_steps`` microbatches of :attr:`local_rows` (``training.local_batch_size``;
+        under pipeline parallelism the schedule's iteration, :func:`pipeline_rows`);
         each runs forward and backward, its loss divided by the token count of the
         whole global batch, and FSDP reduces the gradients after the last one only.
         """

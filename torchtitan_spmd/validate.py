@@ -80,7 +80,7 @@ class Validator:
         self.dataloader: Iterator[tuple[torch.Tensor, torch.Tensor]] = build_dataloader(
             dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
             dp_degree=batch_mesh.size() if batch_mesh is not None else 1,
-            local_batch_size=cfg.training.local_batch_size, seq_len=cfg.training.seq_len,
+            local_batch_size=trainer.local_rows, seq_len=cfg.training.seq_len,  # one schedule iteration under PP
             # synthetic validation data is a stream held out from training's (another seed)
             seed=trainer.seed + 1, dataset=data.dataset, dataset_path=data.dataset_path,
             tokenizer=trainer.tokenizer,

@@ -19,6 +19,7 @@ import pytest
 
 from torchtitan_spmd.compat.legacy import LegacySpellingWarning
 from torchtitan_spmd.config import (
+    ActivationCheckpointConfig,
     CompileConfig,
     JobConfig,
     ParallelismConfig,
@@ -187,15 +188,17 @@ def test_num_pp_microbatches_default_follows_the_surface(surface, name: str, def
     """August's default is upstream's int 1 (b5bcd76's trainer does ``num_pp_microbatches <= 0``)."""
     surface(name)
     assert ParallelismConfig().num_pp_microbatches == default
-    # the default with PP is not the unmapped case: 1 or None keep this library's split
     JobConfig(parallelism=ParallelismConfig(pipeline_parallel_degree=2))
 
 
-def test_num_pp_microbatches_under_pp_is_a_setup_error() -> None:
-    JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=4))  # ignored without PP, as upstream
-    JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=1, pipeline_parallel_degree=2))
-    with pytest.raises(ValueError, match="parallelism.num_pp_microbatches=4 with parallelism.pipeline_parallel_degree=2"):
-        JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=4, pipeline_parallel_degree=2))
+@pytest.mark.parametrize("value", [1, 2, 4])
+def test_num_pp_microbatches_reads_back_with_and_without_pp(value: int) -> None:
+    """Mapped onto this library's pipeline (``pipeline_rows``, tests/layer3_runtime/test_token_budgets.py)."""
+    assert JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=value)).parallelism.num_pp_microbatches == value
+    pp = JobConfig(parallelism=ParallelismConfig(num_pp_microbatches=value, pipeline_parallel_degree=2))
+    assert pp.parallelism.num_pp_microbatches == value
+    with pytest.raises(ValueError, match=r"parallelism.num_pp_microbatches must be >= 1, or None \(not set\), got 0"):
+        ParallelismConfig(num_pp_microbatches=0)
 
 
 def test_june_removed_fields_keep_working(surface) -> None:
@@ -286,3 +289,107 @@ def test_later_assignment_moves_the_partner() -> None:
     assert (june.local_batch_size, june.num_tokens_per_microbatch_per_dp_rank) == (8, 32768)
     june.num_tokens_per_train_step = 4 * 32768
     assert june.global_batch_size == 32
+
+
+# ------------------------------------------------------------------ activation checkpointing (#3674)
+#: upstream b5bcd76's policy spellings -> June's mode, written out from its activation_checkpoint.py
+AC_POLICIES = [
+    ("SelectiveAC", "selective", "selective"),
+    ("FullAC", "full", "full"),
+    ("MemoryBudgetAC", "memory-budget", "memory_budget"),
+    (None, "none", "none"),
+]
+
+
+def _policy(name: str | None) -> object:
+    import torchtitan_spmd.config as config
+
+    return None if name is None else getattr(config, name).Config()
+
+
+@pytest.mark.parametrize(("cls", "subcommand", "mode"), AC_POLICIES)
+def test_each_ac_policy_reads_back_as_written_and_means_junes_mode(cls: str | None, subcommand: str, mode: str) -> None:
+    from torchtitan_spmd.config import ac_section
+
+    written = _policy(cls)
+    cfg = JobConfig(activation_checkpoint=written)
+    assert cfg.activation_checkpoint is written  # an August fork's isinstance checks keep working
+    assert ac_section(cfg.activation_checkpoint).mode == mode
+    assert JobConfig.from_dict(cfg.to_dict()).activation_checkpoint.mode == mode  # one meaning, June's table
+    june = JobConfig(activation_checkpoint=ActivationCheckpointConfig(mode=mode))  # June's spelling still works
+    assert june.activation_checkpoint.mode == mode and ac_section(june.activation_checkpoint) is june.activation_checkpoint
+
+
+def test_ac_policy_fields_map_to_junes() -> None:
+    from torchtitan_spmd.config import FullAC, MemoryBudgetAC, SelectiveAC, ac_section
+
+    sel = ac_section(SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=["mlp.w1"], preserve_rng_state=False))
+    assert (sel.mode, sel.per_op_sac_force_recompute_mm_shapes_by_fqns, sel.preserve_rng_state) == (
+        "selective", ["mlp.w1"], False)
+    full = ac_section(FullAC.Config(debug=True, determinism_check="none"))
+    assert (full.mode, full.debug, full.determinism_check, full.early_stop) == ("full", True, "none", False)
+    assert ac_section(MemoryBudgetAC.Config(memory_budget=0.3)).memory_budget == 0.3
+    # upstream's fields, not June's: FullAC.Config has no memory_budget
+    with pytest.raises(TypeError, match="memory_budget"):
+        FullAC.Config(memory_budget=0.3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="activation_checkpoint.force_recompute_mm_shapes_by_fqns: expected list"):
+        SelectiveAC.Config(force_recompute_mm_shapes_by_fqns="mlp.w1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"activation_checkpoint.memory_budget must be in \[0, 1\]"):
+        MemoryBudgetAC.Config(memory_budget=2.0)
+    with pytest.raises(TypeError, match="FullAC.Config .*whose mode is 'full'"):
+        FullAC.Config().mode = "none"  # type: ignore[misc]
+    with pytest.raises(TypeError, match="JobConfig.activation_checkpoint must be an ActivationCheckpointConfig"):
+        JobConfig(activation_checkpoint="full")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "expected"), [("june", "ActivationCheckpointConfig"), ("august", "SelectiveAC.Config")])
+def test_ac_default_follows_the_surface(surface, name: str, expected: str) -> None:
+    """Both defaults are selective checkpointing; August's is upstream's ``SelectiveAC.Config()``."""
+    from torchtitan_spmd.config import ac_section
+
+    surface(name)
+    ac = JobConfig().activation_checkpoint
+    assert type(ac).__qualname__ == expected and ac_section(ac).mode == "selective"
+
+
+def test_memory_budget_policy_is_a_setup_error_naming_it() -> None:
+    from torchtitan_spmd.config import MemoryBudgetAC
+
+    with pytest.raises(ValueError, match=r"activation_checkpoint=MemoryBudgetAC.Config\(\) "
+                                         r"\(activation-checkpoint:memory-budget\): memory-budget activation"):
+        check_supported(JobConfig(activation_checkpoint=MemoryBudgetAC.Config()))
+    with pytest.raises(ValueError, match="activation_checkpoint.mode='memory_budget'"):  # June's spelling, as before
+        check_supported(JobConfig(activation_checkpoint=ActivationCheckpointConfig(mode="memory_budget")))
+    for ok in ("SelectiveAC", "FullAC", None):
+        check_supported(JobConfig(activation_checkpoint=_policy(ok)))
+
+
+@pytest.mark.parametrize(("name", "args", "cls", "mode"), [
+    # August's subcommands (upstream's tyro names), options in any order around them
+    ("june", ["activation-checkpoint:full", "--training.steps", "3"], "FullAC.Config", "full"),
+    ("june", ["activation_checkpoint:none"], "NoneType", "none"),
+    ("june", ["activation-checkpoint:selective", "--activation-checkpoint.force-recompute-mm-shapes-by-fqns",
+              "mlp.w1"], "SelectiveAC.Config", "selective"),
+    ("august", ["activation-checkpoint:memory-budget", "--activation_checkpoint.memory_budget", "0.25"],
+     "MemoryBudgetAC.Config", "memory_budget"),
+    ("august", ["--activation_checkpoint.debug"], "SelectiveAC.Config", "selective"),  # the default's own fields
+    # June's flags, over either surface's default
+    ("june", ["--activation_checkpoint.mode", "full"], "ActivationCheckpointConfig", "full"),
+    ("august", ["--activation_checkpoint.mode", "none"], "ActivationCheckpointConfig", "none"),
+    ("august", ["--activation-checkpoint.per-op-sac-force-recompute-mm-shapes-by-fqns", "mlp.w1"],
+     "ActivationCheckpointConfig", "selective"),
+])
+def test_ac_spellings_on_the_command_line(surface, name: str, args: list[str], cls: str, mode: str) -> None:
+    from torchtitan_spmd.config import ConfigManager, ac_section
+
+    surface(name)
+    cfg = ConfigManager().parse_overrides(JobConfig(training=TrainingConfig(steps=10)), args)
+    assert type(cfg.activation_checkpoint).__qualname__ == cls
+    assert ac_section(cfg.activation_checkpoint).mode == mode
+    assert cfg.training.steps == (3 if "--training.steps" in args else 10)
+    if "mlp.w1" in args:
+        assert ac_section(cfg.activation_checkpoint).per_op_sac_force_recompute_mm_shapes_by_fqns == ["mlp.w1"]
+    if "0.25" in args:
+        assert cfg.activation_checkpoint.memory_budget == 0.25
+    if "--activation_checkpoint.debug" in args:
+        assert cfg.activation_checkpoint.debug is True

@@ -1,9 +1,9 @@
 """Helpers for the ``deepseek_v3`` parity tests: ``tiny`` on 4 real forked gloo ranks against the float64
 reference (:mod:`torchtitan_spmd.reference`: MLA, YaRN and DeepSeek's routing restated there).
 
-Each run: 4 steps, per step ``(loss, grad_norm)``, plus the step-1 gradient norm of a few tensors
-(before clipping is undone: both sides are clipped alike), compared with the reference's gradient
-of the same tensors on the same global batch.
+Each run: 4 steps (the layer-4 cells 2), per step ``(loss, grad_norm)``, every parameter's step-1
+gradient norm and the expert biases after every step (:mod:`grad_probe`), compared with the
+reference's on the same global batch.
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ from torchtitan_spmd.launcher import run_forked
 
 STEPS = 4
 FLAVOR = "tiny"
-#: The tensors whose step-1 gradient is compared: a replicated MLA low-rank projection (its gradient a
-#: sum over tp), the shared experts, a routed expert weight (EP-sharded), the router's gate.
-GRAD_TENSORS = ("layers.1.attention.wkv_a.weight", "layers.2.attention.wkv_b.weight", "layers.1.moe.shared_experts.w2",
-                "layers.2.moe.experts.w1", "layers.1.moe.router.gate.weight")
-
 #: name -> (world size, parallelism overrides)
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp4": (4, {"data_parallel_shard_degree": 4}),
@@ -53,72 +48,6 @@ def deepseek_config(backend: str, layout: str, *, steps: int = STEPS, ac: str = 
     cfg.model.flavor = FLAVOR
     cfg.activation_checkpoint.mode = ac  # type: ignore[assignment]
     return cfg
-
-
-def _train(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
-    from torchtitan_spmd.train import Trainer
-
-    trainer = Trainer(cfg)
-    grads: dict[str, float] = {}
-    step = trainer.optimizer.step
-
-    def grab(*args: Any, **kwargs: Any) -> Any:
-        if not grads:
-            for name, p in trainer.model.named_parameters():
-                name = name.replace("_checkpoint_wrapped_module.", "")
-                if name in GRAD_TENSORS and p.grad is not None:
-                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else None
-                    if g is not None:
-                        grads[name] = float(g.norm())
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = grab  # type: ignore[method-assign]
-    try:
-        return {"steps": [(r.loss, r.grad_norm) for r in trainer.run()], "grads": grads}
-    finally:
-        trainer.close()
-
-
-def run(cfg: JobConfig, world: int) -> tuple[list[tuple[float, float]], dict[str, float]]:
-    """Per-step ``(loss, grad_norm)`` (every rank must agree) and the step-1 gradient norms found."""
-    warm_parent()
-    per_rank = run_forked(_train, world, cfg, timeout_s=300)
-    for rank, r in enumerate(per_rank):
-        if r["steps"] != per_rank[0]["steps"]:
-            raise AssertionError(f"rank {rank} logged {r['steps']}, rank 0 logged {per_rank[0]['steps']}")
-    grads: dict[str, float] = {}
-    for r in per_rank:
-        grads.update(r["grads"])
-    return per_rank[0]["steps"], grads
-
-
-@functools.cache
-def reference(global_batch: int) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[str, float], ...]]:
-    """The reference's per-step ``(loss, grad_norm)`` and its step-1 (clipped) gradient norms of
-    ``GRAD_TENSORS`` on ``global_batch`` sequences a step (cached)."""
-    import torch.nn.functional as F
-
-    from torchtitan_spmd import reference as ref
-    from torchtitan_spmd.data import build_tokenizer
-    from torchtitan_spmd.models import get_model_spec
-
-    cfg = deepseek_config("default", "fsdp4")
-    cfg.parallelism.data_parallel_shard_degree = 1
-    cfg.training.local_batch_size = global_batch
-    steps = ref.run_reference(cfg, global_batch=global_batch)
-    vocab = build_tokenizer(cfg.hf_assets_path).model_vocab_size
-    seed = cfg.debug.seed
-    weights = {k: v.double().requires_grad_(not k.endswith(ref.BIAS))
-               for k, v in ref.initial_weights("deepseek_v3", FLAVOR, seed, vocab).items()}
-    tokens, labels = ref.global_batches(cfg, global_batch, seed)[0]
-    arch = ref.architecture(cfg, get_model_spec("deepseek_v3").model_config(FLAVOR, vocab_size=vocab))
-    logits = ref.forward(weights, tokens, arch)
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
-    clip = min(1.0, float(cfg.training.max_norm) / (steps[0][1] + 1e-6))
-    grads = tuple((n, float(weights[n].grad.norm()) * clip) for n in GRAD_TENSORS)
-    return tuple(steps), grads
 
 
 @functools.cache
@@ -155,16 +84,74 @@ def check_probed(got: Any, layout: str, what: str) -> tuple[float, float, float]
     return loss_diff, norm_diff, grad_diff
 
 
-def check(got: list[tuple[float, float]], grads: dict[str, float], layout: str) -> tuple[float, float, float]:
-    """Loss within ``TOL``, gradient norm within ``NORM_TOL`` of the reference at every step, every step-1
-    tensor gradient found within ``NORM_TOL``, and it trains; returns the largest relative differences."""
-    steps, ref_grads = reference(LOCAL_BATCH * data_parallel(layout))
-    loss, norm = [g[0] for g in got], [g[1] for g in got]
-    loss_diff, norm_diff = max_rel(loss, [r[0] for r in steps]), max_rel(norm, [r[1] for r in steps])
-    assert loss_diff < TOL, (loss, steps)
-    assert norm_diff < NORM_TOL, (norm, steps)
-    assert loss[-1] < loss[0] - 0.1
-    want = dict(ref_grads)
-    grad_diff = max_rel([grads[n] for n in grads], [want[n] for n in grads]) if grads else 0.0
-    assert grad_diff < NORM_TOL, (grads, want)
-    return loss_diff, norm_diff, grad_diff
+def hf_model() -> tuple[object, dict]:
+    """A random transformers ``DeepseekV3ForCausalLM`` of ``tiny``'s sizes (transformers' own field names)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                  num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                  norm_topk_prob=True, first_k_dense_replace=1, tie_word_embeddings=False,
+                  max_position_embeddings=64, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0})
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval(), fields
+
+
+def check_hf_training(backend: str, layouts: tuple[str, ...], root: Any) -> dict[str, float]:
+    """For each of ``layouts`` (one launch of 4 gloo ranks): :func:`hf_model` saved in bfloat16 loads
+    through the trainer's sharded HF path (``--model.flavor from_hf``) under ``backend``; the step-1 loss
+    is transformers' cross-entropy of the source on the same global batch (relative ``TOL``), and an
+    export right after the load holds exactly the source's tensors (names, dtype, bits). Returns
+    layout -> the loss's relative difference."""
+    import torch
+    from hf_helpers import (
+        GLOBAL_BATCH,
+        NO_STEP_EXPORT,
+        STEPS,
+        _worker,
+        hf_cross_entropy,
+        hf_job,
+        read_safetensors,
+    )
+
+    warm_parent()
+    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
+
+    src = root / "src"
+    hf_model()[0].to(torch.bfloat16).save_pretrained(str(src))
+    cfgs = [hf_job("deepseek_v3", "from_hf", {**LAYOUTS[lay][1], "spmd_backend": backend},
+                   GLOBAL_BATCH // data_parallel(lay), src, root / lay) for lay in layouts]
+    per_rank = run_forked(_worker, 4, cfgs, timeout_s=300)
+    source = read_safetensors(src)
+    out = {}
+    for i, lay in enumerate(layouts):
+        r = per_rank[0][i]
+        assert all(p[i]["loss1"] == r["loss1"] and p[i]["steps"] == list(range(1, STEPS + 1)) for p in per_rank), lay
+        rows = {p[i]["dp_rank"]: p[i]["batch"] for p in per_rank}
+        tokens = [row for dp in sorted(rows) for row in rows[dp][0]]
+        labels = [row for dp in sorted(rows) for row in rows[dp][1]]
+        want = hf_cross_entropy(src, tokens, labels)
+        out[lay] = abs(r["loss1"] - want) / want
+        print(f"\nsharded HF load, {backend} {lay}: step-1 loss {r['loss1']:.6f}, transformers {want:.6f} "
+              f"({out[lay]:.1e} relative)")
+        assert out[lay] <= TOL, (backend, lay, r["loss1"], want)
+        exported = read_safetensors(root / lay / "checkpoint" / f"step-{NO_STEP_EXPORT}")
+        assert sorted(exported) == sorted(source), sorted(set(exported) ^ set(source))
+        for key, tensor in source.items():
+            assert exported[key].dtype == tensor.dtype and exported[key].equal(tensor), (lay, key)
+    return out

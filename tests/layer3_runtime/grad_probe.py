@@ -34,6 +34,8 @@ class TrainerTrace:
     expert_bias: list[dict[str, list[float]]] = dataclasses.field(default_factory=list)
     #: The class of the pipeline schedule that ran (None without pipeline parallelism).
     schedule: str | None = None
+    #: The microbatches of one schedule iteration (None without pipeline parallelism).
+    n_microbatches: int | None = None
 
 
 _TRACES: list[TrainerTrace] = []
@@ -71,7 +73,8 @@ def install() -> None:
     def step(self: Any, step: int) -> Any:
         if step == self.start_step + 1 or not _TRACES:
             pipeline = self.pipeline
-            _TRACES.append(TrainerTrace(schedule=None if pipeline is None else type(pipeline.schedule).__name__))
+            _TRACES.append(TrainerTrace(schedule=None if pipeline is None else type(pipeline.schedule).__name__,
+                                        n_microbatches=None if pipeline is None else pipeline.schedule._n_microbatches))
         _CURRENT[:] = [self, step]
         try:
             record = step_fn(self, step)
@@ -121,6 +124,7 @@ def merge(per_rank: list[list[TrainerTrace]]) -> list[TrainerTrace]:
             if rank and traces[i].schedule != out.schedule:
                 raise AssertionError(f"rank {rank} ran schedule {traces[i].schedule}, rank 0 {out.schedule}")
             out.schedule = traces[i].schedule
+            out.n_microbatches = traces[i].n_microbatches
             for name, v in traces[i].grad_norms.items():
                 if name in out.grad_norms and out.grad_norms[name] != v:
                     raise AssertionError(f"rank {rank}: gradient norm of {name} {v} != {out.grad_norms[name]}")

@@ -140,10 +140,26 @@ def _worker(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, A
                 "steps": [r.step for r in records],
                 "dp_rank": batch_mesh.get_local_rank() if batch_mesh is not None else 0,
                 "batch": trainer.dataloader.first,
-                "weights": full if rank == 0 else None,
+                "weights": full if rank == 0 or _holds_a_stage_of_rank_0(trainer) else None,
             })
         finally:
             trainer.close()
+    return out
+
+
+def _holds_a_stage_of_rank_0(trainer: Any) -> bool:
+    """Under pipeline parallelism: whether this rank is in rank 0's ``pp`` group (one rank per
+    stage, together the whole model: the parent merges their weights)."""
+    import torch.distributed as dist
+
+    return trainer.pipeline is not None and 0 in dist.get_process_group_ranks(trainer.pipeline.group)
+
+
+def merged_weights(per_rank: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
+    """The whole model's weights of launch item ``i``: rank 0's, with the other stages' under PP."""
+    out: dict[str, Any] = {}
+    for rank_results in per_rank:
+        out.update(rank_results[i]["weights"] or {})
     return out
 
 

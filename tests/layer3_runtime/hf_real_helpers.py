@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hf_helpers import NO_STEP_EXPORT, _worker, hf_cross_entropy, read_safetensors
+from hf_helpers import NO_STEP_EXPORT, _worker, hf_cross_entropy, merged_weights, read_safetensors
 from parity_helpers import warm_parent
 
 from torchtitan_spmd.config import JobConfig
@@ -92,6 +92,56 @@ def job(name: str, layout: str, backend: str, src: Path, dump: Path) -> JobConfi
     })
 
 
+def _worker_recording_reads(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, Any]]:
+    """``hf_helpers._worker``, also recording the Hugging Face tensors this rank's DCP read
+    asked for (``hf_reads``: the names in its read plan; one load per config, in order)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reads: list[list[str]] = []
+    original = HuggingFaceStorageReader.read_data
+
+    def read_data(self: Any, plan: Any, planner: Any) -> Any:
+        reads.append(sorted({item.storage_index.fqn for item in plan.items}))
+        return original(self, plan, planner)
+
+    HuggingFaceStorageReader.read_data = read_data  # this forked rank's copy only
+    try:
+        out = _worker(rank, world, configs)
+    finally:
+        HuggingFaceStorageReader.read_data = original
+    assert len(reads) == len(out), f"rank {rank}: {len(reads)} Hugging Face reads for {len(out)} jobs"
+    for result, names in zip(out, reads, strict=True):
+        result["hf_reads"] = names
+    return out
+
+
+def check_stage_reads(reads: list[list[str]], source: list[str], pp: int) -> None:
+    """Under PP (``pp`` outermost: ranks ``s * world / pp ...`` hold stage ``s``): every rank of a
+    stage reads the same tensors, no two stages read the same one, together they read the whole
+    folder, the first stage the embedding and the last the norm and ``lm_head``."""
+    per_stage = len(reads) // pp
+    stages = [set(reads[s * per_stage]) for s in range(pp)]
+    for rank, names in enumerate(reads):
+        assert set(names) == stages[rank // per_stage], f"rank {rank} read {names}, its stage {stages[rank // per_stage]}"
+    for a in range(pp):
+        for b in range(a + 1, pp):
+            assert not stages[a] & stages[b], f"stages {a} and {b} both read {sorted(stages[a] & stages[b])}"
+    assert sorted(set().union(*stages)) == sorted(source), sorted(set(source) ^ set().union(*stages))
+    assert "model.embed_tokens.weight" in stages[0], sorted(stages[0])
+    assert {"model.norm.weight", "lm_head.weight"} <= stages[-1], sorted(stages[-1])
+
+
+def names_written(folder: Path) -> list[str]:
+    """Every tensor name of every ``*.safetensors`` file in ``folder``, repeats kept."""
+    from safetensors import safe_open
+
+    out: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.extend(f.keys())
+    return out
+
+
 def run(backend: str, layout: str, root: Path, sources: dict[str, Path],
         names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Train each of ``names`` under ``backend``/``layout`` (one launch): name -> loss1, batch, weights, dump."""
@@ -100,17 +150,18 @@ def run(backend: str, layout: str, root: Path, sources: dict[str, Path],
 
     world, _ = LAYOUTS[layout]
     dumps = {n: root / f"{backend}-{layout}-{n}" for n in names}
-    per_rank = run_forked(_worker, world, [job(n, layout, backend, sources[n], dumps[n]) for n in names],
-                          timeout_s=300)
+    per_rank = run_forked(_worker_recording_reads, world,
+                          [job(n, layout, backend, sources[n], dumps[n]) for n in names], timeout_s=300)
     out = {}
     for i, name in enumerate(names):
         rows: dict[int, Any] = {}
         for rank_results in per_rank:
             r = rank_results[i]
             rows.setdefault(r["dp_rank"], r["batch"])
-        out[name] = {"loss1": per_rank[0][i]["loss1"], "weights": per_rank[0][i]["weights"], "dump": dumps[name],
+        out[name] = {"loss1": per_rank[0][i]["loss1"], "weights": merged_weights(per_rank, i), "dump": dumps[name],
                      "tokens": [row for dp in sorted(rows) for row in rows[dp][0]],
-                     "labels": [row for dp in sorted(rows) for row in rows[dp][1]]}
+                     "labels": [row for dp in sorted(rows) for row in rows[dp][1]],
+                     "hf_reads": [rank_results[i]["hf_reads"] for rank_results in per_rank]}
     return out
 
 
@@ -119,7 +170,8 @@ def check(backend: str, layout: str, root: Path, sources: dict[str, Path],
     """Assert, for each model: step-1 loss = transformers' cross-entropy (``TOL`` relative); the
     export before any step holds the source's tensors bit for bit (a tied one: no ``lm_head``,
     ``tie_word_embeddings`` true); the trained export opens with ``from_pretrained`` and gives
-    this library's logits with the trainer's weights. Returns the gaps."""
+    this library's logits with the trainer's weights; under PP each stage read only its own
+    tensors (:func:`check_stage_reads`) and the export holds the whole model once. Returns the gaps."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -133,8 +185,14 @@ def check(backend: str, layout: str, root: Path, sources: dict[str, Path],
         assert rel < TOL, f"{name}: step-1 loss {r['loss1']!r}, transformers' {want!r}"
         ck = r["dump"] / "checkpoint"
         source, exported = read_safetensors(sources[name]), read_safetensors(ck / f"step-{NO_STEP_EXPORT}")
+        pp = LAYOUTS[layout][1].get("pipeline_parallel_degree", 1)
+        if pp > 1:
+            check_stage_reads(r["hf_reads"], sorted(source), pp)
         assert sorted(exported) == sorted(source), f"{name}: {sorted(set(exported) ^ set(source))}"
         assert all(exported[k].equal(v) for k, v in source.items()), name
+        for step in (NO_STEP_EXPORT, STEPS):  # the whole model once, whatever stage held a tensor
+            written = names_written(ck / f"step-{step}")
+            assert sorted(written) == sorted(source), f"{name} step-{step}: {sorted(written)}"
         final = ck / f"step-{STEPS}"
         config = json.loads((final / "config.json").read_text())
         tied = name.endswith("_tied")
@@ -153,3 +211,37 @@ def check(backend: str, layout: str, root: Path, sources: dict[str, Path],
         assert logits_gap < TOL, f"{name}: exported logits differ by {logits_gap} (relative)"
         gaps[name] = {"loss_rel": rel, "logits": logits_gap, "loss1": r["loss1"]}
     return gaps
+
+
+def without_tensor(src: Path, dst: Path, key: str) -> Path:
+    """A copy of the one-file folder ``src`` lacking tensor ``key``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    tensors = read_safetensors(dst)
+    del tensors[key]
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _setup_error(rank: int, world: int, cfg: JobConfig) -> str | None:
+    """The ValueError this rank's Trainer stops with (None: it started)."""
+    from torchtitan_spmd.train import Trainer
+
+    try:
+        Trainer(cfg).close()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def setup_errors(cfg: JobConfig, world: int) -> list[str | None]:
+    """Every rank's setup error for ``cfg`` on ``world`` forked ranks (a rank left waiting in a
+    collective makes it a TimeoutError)."""
+    warm_parent()
+    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
+
+    return run_forked(_setup_error, world, cfg, timeout_s=90)

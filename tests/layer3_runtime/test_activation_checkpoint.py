@@ -70,3 +70,32 @@ def test_forcing_a_module_that_is_not_a_linear_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"matches 'layers.0.1', a ReLU; it must name nn.Linear modules"):
         apply_ac(_Model(), ActivationCheckpointConfig(mode="selective",
                                                       per_op_sac_force_recompute_mm_shapes_by_fqns=["layers.0.1"]))
+
+
+def _backward_ops_of(policy: Any) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = apply_ac(_Model(), policy)
+    loss = model(torch.randn(4, 8)).square().sum()
+    with _CountMM() as counter:
+        loss.backward()
+    return counter.mm, counter.relu
+
+
+def test_upstreams_policy_configs_recompute_as_junes_modes() -> None:
+    """upstream b5bcd76's policies (#3674) applied by this library's technique: the same recompute
+    counts as June's modes above, written out."""
+    from torchtitan_spmd.techniques.activation_checkpoint import FullAC, SelectiveAC
+
+    base = _backward_ops_of(None)  # upstream's "none"
+    assert base == _backward_ops(mode="none")[0]
+    for policy, recomputed in [(FullAC.Config(), (4, 3)), (SelectiveAC.Config(), (2, 3)),
+                               (SelectiveAC.Config(force_recompute_mm_shapes_by_fqns=["layers.0.0"]), (3, 3))]:
+        got = _backward_ops_of(policy)
+        assert (got[0] - base[0], got[1] - base[1]) == recomputed, policy
+
+
+def test_memory_budget_policy_is_refused_naming_it() -> None:
+    from torchtitan_spmd.techniques.activation_checkpoint import MemoryBudgetAC
+
+    with pytest.raises(ValueError, match=r"MemoryBudgetAC.Config\(\) \(activation-checkpoint:memory-budget\)"):
+        apply_ac(_Model(), MemoryBudgetAC.Config())

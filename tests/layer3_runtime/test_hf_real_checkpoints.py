@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hf_helpers import read_safetensors
-from hf_real_helpers import MODELS, check, job, run, save_source
+from hf_real_helpers import MODELS, check, job, run, save_source, setup_errors, without_tensor
 from parity_helpers import skip_full_dtensor_on_old_torch
 from version_helpers import requires_torch
 
@@ -57,3 +57,21 @@ def test_tied_training_under_tp_equals_one_process(sources: dict[str, Path], tmp
         assert gap < 1e-4, (key, gap)  # an update is ~lr = 3e-3 per step
     source = read_safetensors(sources["qwen3_tied"])["model.embed_tokens.weight"]
     assert (torch.tensor(tp["weights"]["tok_embeddings.weight"]) - source).abs().max() > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+def test_llama31_pp2_fsdp2_matches_transformers(backend: str, sources: dict[str, Path], tmp_path: Path) -> None:
+    """The Llama 3.1 shape at PP 2 x FSDP 2: each stage reads only its own tensors, step 1 gives
+    transformers' loss, and the export writes the whole model once (``hf_real_helpers.check``)."""
+    skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")  # the same data-parallel degree, 2
+    check(backend, "pp2_fsdp2", tmp_path, sources, ("llama31",))
+
+
+@pytest.mark.backend("default")
+def test_tensor_missing_from_one_stage_stops_every_rank(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Under PP a folder lacking the last stage's ``lm_head`` is the same one-line error on every
+    rank, the first stage's too (it holds no ``lm_head``): none waits in DCP's read."""
+    src = without_tensor(sources["llama31"], tmp_path / "no-lm-head", "lm_head.weight")
+    errors = setup_errors(job("llama31", "pp2_fsdp2", "default", src, tmp_path / "dump"), 4)
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert f"Hugging Face folder {str(src)!r} has no tensor 'lm_head.weight'" in errors[0], errors[0]

@@ -9,7 +9,8 @@ but for the sharded load: 4 real forked gloo ranks).
 - transformers' ``DeepseekV3ForCausalLM``: ``tiny`` exported (``to_hf`` + ``hf_config``) opens with
   ``from_pretrained`` with this model's logits; a random transformers model imports
   (``model_config_from_hf`` + ``from_hf``) with its logits; the transformers loss at step 1;
-- the trainer's sharded HF load (4 gloo ranks, FSDP 2 x TP 2 x EP 4, ``default``): a random
+- the trainer's sharded HF load (4 gloo ranks; ``default``: FSDP 2 x TP 2 x EP 4 and FSDP 4,
+  ``full_dtensor``: FSDP 4 x EP 4 and FSDP 2 x TP 2; ``spmd_types`` in layer 4): a random
   transformers model saved in bfloat16 loads into the TP-sharded MLA and the EP-sharded experts
   (``--model.flavor from_hf``), the step-1 loss is transformers' cross-entropy of the source, and an
   export right after the load holds exactly the source's tensors (names, dtype, bits);
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from deepseek_helpers import check_hf_training, hf_model
 
 from torchtitan_spmd import reference
 from torchtitan_spmd.config import JobConfig
@@ -141,35 +143,10 @@ def test_tiny_exports_for_from_pretrained_with_its_logits(tmp_path: Path) -> Non
             assert back[k].equal(v), k
 
 
-def _hf_model() -> tuple[object, dict]:
-    """A random transformers ``DeepseekV3ForCausalLM`` of ``tiny``'s sizes (transformers' own field names)."""
-    torch.manual_seed(0)
-    fields = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-                  num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                  norm_topk_prob=True, first_k_dense_replace=1, tie_word_embeddings=False,
-                  max_position_embeddings=64, rms_norm_eps=1e-6,
-                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                   "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
-                                   "mscale": 1.0, "mscale_all_dim": 1.0})
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return model.eval(), fields
-
-
 def test_a_transformers_deepseek_v3_imports_with_its_logits_and_loss(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    hf, _ = _hf_model()
+    hf, _ = hf_model()
     hf.save_pretrained(str(tmp_path))
     config = DeepSeekV3StateDictAdapter.model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert (config.q_lora_rank, config.n_group, config.topk_group, config.route_scale, config.rope_scaling.kind) == (
@@ -227,39 +204,10 @@ def test_bad_configs_name_the_field(field: str, value: object, match: str) -> No
 
 
 @pytest.mark.multiproc
-@pytest.mark.backend("default")
-def test_sharded_hf_load_into_tp_and_ep(tmp_path: Path) -> None:
-    from hf_helpers import (
-        GLOBAL_BATCH,
-        NO_STEP_EXPORT,
-        STEPS,
-        _worker,
-        hf_cross_entropy,
-        hf_job,
-        read_safetensors,
-    )
-    from parity_helpers import warm_parent
-
-    from torchtitan_spmd.launcher import run_forked
-
-    warm_parent()
-    import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
-
-    src, dump = tmp_path / "src", tmp_path / "dump"
-    _hf_model()[0].to(torch.bfloat16).save_pretrained(str(src))
-    cfg = hf_job("deepseek_v3", "from_hf", {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2,
-                                            "expert_parallel_degree": 4, "spmd_backend": "default"},
-                 GLOBAL_BATCH // 2, src, dump)
-    per_rank = run_forked(_worker, 4, [cfg], timeout_s=300)
-    r = per_rank[0][0]
-    assert all(p[0]["loss1"] == r["loss1"] and p[0]["steps"] == list(range(1, STEPS + 1)) for p in per_rank)
-    rows = {p[0]["dp_rank"]: p[0]["batch"] for p in per_rank}
-    tokens = [row for dp in sorted(rows) for row in rows[dp][0]]
-    labels = [row for dp in sorted(rows) for row in rows[dp][1]]
-    want = hf_cross_entropy(src, tokens, labels)
-    print(f"\nsharded HF load (FSDP 2 x TP 2 x EP 4): step-1 loss {r['loss1']:.6f}, transformers {want:.6f}")
-    assert abs(r["loss1"] - want) <= TOL * want, (r["loss1"], want)
-    source, exported = read_safetensors(src), read_safetensors(dump / "checkpoint" / f"step-{NO_STEP_EXPORT}")
-    assert sorted(exported) == sorted(source), sorted(set(exported) ^ set(source))
-    for key, tensor in source.items():
-        assert exported[key].dtype == tensor.dtype and exported[key].equal(tensor), key
+@pytest.mark.parametrize(("backend", "layouts"), [("default", ("fsdp2_tp2_ep4", "fsdp4")),
+                                                  ("full_dtensor", ("fsdp4_ep4", "fsdp2_tp2"))])
+def test_sharded_hf_load_trains_on_transformers_loss(backend: str, layouts: tuple[str, ...], tmp_path: Path) -> None:
+    """A random transformers model (bfloat16) loads sharded (TP-sharded MLA, EP-sharded experts or none),
+    its step-1 loss is transformers' own, and an export right after the load is the source, bit for bit;
+    with and without EP under each backend (``spmd_types``: layer 4's twin)."""
+    check_hf_training(backend, layouts, tmp_path)

@@ -89,3 +89,24 @@ def test_the_reference_shares_no_runtime_code_with_the_trainer() -> None:
                 elif isinstance(sub, ast.Import):
                     assert not any(a.name.startswith("torchtitan_spmd") for a in sub.names), ast.unparse(sub)
     assert seen == allowed
+
+
+def test_the_restated_tied_model_matches_the_projects() -> None:
+    """A tied model (``enable_weight_tying``): the reference restates the logits from the embedding
+    table (there is no ``output.weight``), as the project's model computes them."""
+    import dataclasses
+
+    spec = get_model_spec("llama3")
+    vocab = Tokenizer().vocab_size
+    config = dataclasses.replace(spec.model_config("tiny", vocab_size=vocab), enable_weight_tying=True)
+    net = spec.build(config)
+    net.init_weights(5)
+    weights = {k: v.detach().double() for k, v in net.state_dict().items()}
+    assert "output.weight" not in weights
+    arch = reference.architecture(type("Cfg", (), {"model": type("M", (), {"name": "llama3"})})(), config)
+    assert arch.tied
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    want = reference.forward(weights, tokens, arch)
+    with torch.no_grad():
+        got = net(tokens).double()
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()

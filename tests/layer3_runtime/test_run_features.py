@@ -529,6 +529,38 @@ def test_profiler_and_metrics_defaults_are_upstreams() -> None:
         MetricsConfig(cpu_peak_tflops=0.0)
 
 
+@pytest.mark.parametrize(("memory_snapshot_freq", "profile_freq", "dumped"), [
+    (None, 5, [5, 10, 15]),  # unset: upstream b5bcd76's default, profile_freq
+    (3, 5, [3, 6, 9, 12, 15]),  # set: its own cadence, whatever the trace windows
+    (1, 10, list(range(1, 16))),
+])
+def test_memory_snapshot_cadence_follows_memory_snapshot_freq(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                             memory_snapshot_freq: int | None, profile_freq: int,
+                                                             dumped: list[int]) -> None:
+    """``profiler.memory_snapshot_freq`` (b5bcd76, docs/debugging.md): a snapshot every N steps;
+    unset, every ``profile_freq`` steps. The snapshot writer runs as on CUDA, the allocator's
+    history stubbed (this machine has none); on CPU the profiler records none (one log line)."""
+    from torchtitan_spmd.config import ProfilerConfig
+    from torchtitan_spmd.tools.profiler import Profiler
+
+    cfg = ProfilerConfig(enable_memory_snapshot=True, profile_freq=profile_freq, profiler_warmup=0,
+                         memory_snapshot_freq=memory_snapshot_freq)
+    assert cfg.memory_snapshot_freq == memory_snapshot_freq  # read back as written
+    with Profiler(cfg, str(tmp_path), rank=0, device_type="cpu") as cpu:
+        for _ in range(15):
+            cpu.step()
+    assert not (tmp_path / cfg.save_memory_snapshot_folder).exists()  # CPU: no allocator history
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": []})
+    prof = Profiler(cfg, str(tmp_path), rank=0, device_type="cpu")
+    prof._memory = True  # as after _record_memory_history on a CUDA device
+    for _ in range(15):
+        prof.step()
+    folders = sorted((tmp_path / cfg.save_memory_snapshot_folder).iterdir())
+    assert [int(f.name.removeprefix("step_")) for f in folders] == dumped
+    with pytest.raises(ValueError, match="profiler.memory_snapshot_freq must be >= 1"):
+        ProfilerConfig(memory_snapshot_freq=0)
+
+
 def test_flops_per_token_is_upstreams_count() -> None:
     from torchtitan_spmd.models import get_model_spec
     from torchtitan_spmd.tools.flops import flops_per_token

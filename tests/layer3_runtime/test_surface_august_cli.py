@@ -66,12 +66,16 @@ _FORK_SCRIPT = """
 import json, sys, warnings
 warnings.simplefilter("error", DeprecationWarning)
 from torchtitan_spmd.config import ConfigManager
-from acme_august.trainer import microbatch_sequences, uses_partial_dtensor
+from acme_august.trainer import microbatch_sequences, recomputes_whole_blocks, uses_partial_dtensor
 out = {}
 for name in ("august_debug", "august_partial_dtensor"):
     cfg = ConfigManager().parse_args(["--module", "acme_august", "--config", name])
     out[name] = [cfg.parallelism.spmd_backend, uses_partial_dtensor(cfg), microbatch_sequences(cfg),
                  cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len]
+for sub in ("full", "selective", "none"):  # upstream's subcommands over the fork's own root
+    cfg = ConfigManager().parse_args(["--module", "acme_august", "--config", "august_debug",
+                                      f"activation-checkpoint:{sub}", "--training.steps", "3"])
+    out[sub] = [type(cfg.activation_checkpoint).__qualname__, recomputes_whole_blocks(cfg), cfg.training.steps]
 print(json.dumps(out))
 """
 
@@ -86,3 +90,6 @@ def test_august_fork_fixture_drops_in_with_one_line() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["august_debug"] == ["spmd_types", False, 2, 2, 16, 64]
     assert out["august_partial_dtensor"] == ["partial_dtensor", True, 2, 2, 16, 64]
+    assert out["full"] == ["FullAC.Config", True, 3]
+    assert out["selective"] == ["SelectiveAC.Config", False, 3]
+    assert out["none"] == ["NoneType", False, 3]

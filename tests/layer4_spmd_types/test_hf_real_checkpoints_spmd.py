@@ -1,5 +1,5 @@
 """Layer 4: real checkpoint shapes (Llama 3.1 RoPE scaling, Llama 3.2 and Qwen3-0.6B tied
-embeddings) under ``spmd_types`` on FSDP 2 x TP 2, against transformers (``hf_real_helpers.check``)."""
+embeddings) under ``spmd_types`` on FSDP 2 x TP 2 and (Llama 3.1) PP 2 x FSDP 2, against transformers (``hf_real_helpers.check``)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_real_shapes_fsdp2_tp2_match_transformers(sources: dict[str, Path], tmp_path: Path) -> None:
     check("spmd_types", "fsdp2_tp2", tmp_path, sources, MODELS)
+
+
+def test_llama31_pp2_fsdp2_matches_transformers(sources: dict[str, Path], tmp_path: Path) -> None:
+    """The Llama 3.1 shape at PP 2 x FSDP 2: each stage reads only its own tensors, step 1 gives
+    transformers' loss, and the export writes the whole model once."""
+    check("spmd_types", "pp2_fsdp2", tmp_path, sources, ("llama31",))

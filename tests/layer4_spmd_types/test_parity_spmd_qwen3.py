@@ -7,8 +7,16 @@ as in ``test_parity_spmd.py``, the first step of each run is type-checked.
 from __future__ import annotations
 
 import pytest
+from spmd_helpers import (  # first: it puts layer 3's helpers on the path
+    PARITY_CONFIGS,
+    data_parallel_degree,
+    job_config,
+    run_mixed,
+    torch_at_least,
+)
+
+# isort: split
 from parity_helpers import QWEN3_CONFIGS, check_parity
-from spmd_helpers import PARITY_CONFIGS, data_parallel_degree, job_config, run_mixed, torch_at_least
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.backend("spmd_types")]
 

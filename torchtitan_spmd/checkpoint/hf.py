@@ -215,23 +215,45 @@ def _rows_reordered_by_columns(value: torch.Tensor, idx: torch.Tensor) -> torch.
                               shape=value.shape, stride=value.stride())
 
 
-def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAdapter,
-                  metadata: Mapping[str, Any], names: set[str]) -> None:
-    """ValueError naming the first tensor the folder lacks, has in another shape, or has extra."""
+def _folder_error(folder: str, hf_state: Mapping[str, Any], metadata: Mapping[str, Any],
+                  names: set[str]) -> str | None:
+    """The first tensor of this rank's part the folder lacks or has in another shape, or None."""
     for key, value in hf_state.items():
         saved = metadata.get(key)
         shape = tuple(getattr(value, "global_shape", None) or value.shape)
         if saved is None:
-            raise ValueError(f"Hugging Face folder {folder!r} has no tensor {key!r} "
-                             f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
+            return (f"Hugging Face folder {folder!r} has no tensor {key!r} "
+                    f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
         if tuple(saved.size) != shape:
-            raise ValueError(f"Hugging Face folder {folder!r}: {key!r} has shape {tuple(saved.size)} there "
-                             f"and {shape} in this model.")
+            return (f"Hugging Face folder {folder!r}: {key!r} has shape {tuple(saved.size)} there "
+                    f"and {shape} in this model.")
     missing = sorted(names - set(metadata))
     if missing:
-        raise ValueError(f"Hugging Face folder {folder!r} has no tensor {missing[0]!r} "
-                         f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
-    extra = sorted(set(metadata) - names)
+        return (f"Hugging Face folder {folder!r} has no tensor {missing[0]!r} "
+                f"(it holds {len(metadata)}, e.g. {sorted(metadata)[:3]}).")
+    return None
+
+
+def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAdapter,
+                  metadata: Mapping[str, Any], names: set[str]) -> None:
+    """ValueError naming the first tensor the folder lacks, has in another shape, or has extra,
+    raised alike on every rank.
+
+    Under pipeline parallelism a rank's ``names`` are its stage's only: the ranks share what
+    they hold (one object all-gather), so a tensor is extra when no stage holds it, and a
+    rank's own error (its stage's tensor missing or of another shape) stops every rank, not
+    only those of one stage while the others wait in DCP's read.
+    """
+    error = _folder_error(folder, hf_state, metadata, names)
+    everyone: list[tuple[set[str], str | None]] = [(names, error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [(set(), None)] * dist.get_world_size()
+        dist.all_gather_object(everyone, (names, error))
+    first = next((err for _, err in everyone if err is not None), None)
+    if first is not None:
+        raise ValueError(first)
+    held = set().union(*(theirs for theirs, _ in everyone))
+    extra = sorted(set(metadata) - held)
     if extra:
         raise ValueError(f"Hugging Face folder {folder!r} holds {extra[0]!r}, which this "
                          f"{adapter.model_type} model lacks ({len(extra)} such tensors).")

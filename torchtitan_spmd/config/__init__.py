@@ -10,6 +10,13 @@ the table of features the trainer does not implement yet in :mod:`.support`.
 This package imports nothing from ``torchtitan_spmd.distributed`` or the runtime.
 """
 
+from .activation_checkpoint import (
+    ActivationCheckpointing,
+    FullAC,
+    MemoryBudgetAC,
+    SelectiveAC,
+    ac_section,
+)
 from .configs import (
     SPMD_BACKEND_ALIASES,
     SPMD_BACKENDS,
@@ -43,6 +50,10 @@ TORCH_DTYPE_MAP: dict[str, object]
 
 
 def __getattr__(name: str) -> object:
+    if name == "ActivationCheckpointingConfig":  # upstream b5bcd76's union (tyro imported on first use)
+        from . import activation_checkpoint
+
+        return activation_checkpoint.ActivationCheckpointingConfig
     if name == "TORCH_DTYPE_MAP":
         import torch
 
@@ -57,6 +68,12 @@ __all__ = [
     "SPMD_BACKEND_ALIASES",
     "TORCH_DTYPE_MAP",
     "ActivationCheckpointConfig",
+    "ActivationCheckpointing",
+    "ActivationCheckpointingConfig",
+    "FullAC",
+    "MemoryBudgetAC",
+    "SelectiveAC",
+    "ac_section",
     "CheckpointConfig",
     "CommConfig",
     "CompileConfig",

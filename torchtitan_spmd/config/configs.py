@@ -49,7 +49,6 @@ __all__ = [
     "SpmdBackend",
     "SpmdBackendSpelling",
     "TrainingConfig",
-    "check_august_fields",
     "ValidatorConfig",
 ]
 
@@ -418,6 +417,10 @@ class ProfilerConfig(Section):
     """Dump CUDA memory snapshots (``torch.cuda.memory._record_memory_history``); on CPU one
     start-up line says there are none."""
 
+    memory_snapshot_freq: int | None = None
+    """Upstream b5bcd76's: dump a memory snapshot every ``memory_snapshot_freq`` steps, whatever
+    the trace schedule; None (the default) is ``profile_freq``, the cadence before the field."""
+
     save_memory_snapshot_folder: str = "profiling/memory_snapshot"
     """Folder under ``job.dump_folder`` of the snapshots."""
 
@@ -430,6 +433,8 @@ class ProfilerConfig(Section):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.profiler_warmup >= 0, "profiler_warmup", "must be >= 0")
         self._require(self.memory_snapshot_max_entries >= 1, "memory_snapshot_max_entries", "must be >= 1")
+        self._require(self.memory_snapshot_freq is None or self.memory_snapshot_freq >= 1, "memory_snapshot_freq",
+                      "must be >= 1, or None (profile_freq)")
         for name in ("profiler_repeat", "profiler_skip_first", "profiler_skip_first_wait"):
             self._require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0, or None")
         self._require(self.profile_freq >= self.profiler_warmup + self.profiler_active, "profile_freq",
@@ -741,15 +746,17 @@ class ParallelismConfig(
     ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (one stage a rank / several)."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline microbatch; ``local_batch_size`` must be a multiple of it."""
+    """Sequences per pipeline microbatch; ``local_batch_size`` must be a multiple of it (June's
+    field; August's is ``num_pp_microbatches``, with which 1 keeps upstream's microbatch)."""
 
     num_pp_microbatches: int | None = field(default_factory=lambda: _surface.get_surface().num_pp_microbatches)
-    """Upstream b5bcd76's (#3856) pipeline microbatches per data-parallel rank and iteration.
-    The default follows the surface: upstream's ``1`` under ``august`` (upstream's trainer reads
-    it as an int), None (not set) under ``june``. Ignored without pipeline parallelism, as
-    upstream. With it, 1 or None keep this library's split (``local_batch_size`` sequences an
-    iteration in microbatches of ``pipeline_parallel_microbatch_size``: the same tokens an
-    iteration as upstream's one microbatch); more than 1 is not mapped yet (a setup error)."""
+    """Upstream b5bcd76's (#3856, #4121) pipeline microbatches per data-parallel rank and
+    gradient-accumulation iteration, each ``training.num_tokens_per_microbatch_per_dp_rank`` tokens
+    (``local_batch_size`` sequences): an iteration is ``num_pp_microbatches * local_batch_size``
+    sequences. The default follows the surface: upstream's ``1`` under ``august``, None under
+    ``june``, where June's split holds (``local_batch_size`` sequences an iteration in microbatches
+    of ``pipeline_parallel_microbatch_size``). Ignored without pipeline parallelism, as upstream.
+    See ``techniques.pipeline_parallel.pipeline_rows``."""
 
     context_parallel_degree: int = 1
     """Context-parallel degree (sequence split across ranks inside attention). 1 disables it."""
@@ -813,25 +820,6 @@ class ParallelismConfig(
     def backend_name(self) -> str:
         """The registry's name of :attr:`spmd_backend` (``"partial_dtensor"`` -> ``"default"``)."""
         return _surface.canonical_backend(self.spmd_backend)
-
-
-def check_august_fields(parallelism: ParallelismConfig) -> None:
-    """The rules of upstream b5bcd76's fields that span more than one field of a section.
-
-    ``parallelism.num_pp_microbatches`` under pipeline parallelism is not mapped yet: upstream
-    (#3856) counts ``training.num_tokens_per_microbatch_per_dp_rank`` per pipeline
-    microbatch, this library's ``local_batch_size`` per iteration. Upstream's default 1 (one
-    microbatch of that budget an iteration) trains the same tokens an iteration as this
-    library's split, so it is accepted.
-    """
-    if parallelism.num_pp_microbatches not in (None, 1) and parallelism.pipeline_parallel_degree > 1:
-        raise ValueError(
-            f"parallelism.num_pp_microbatches={parallelism.num_pp_microbatches} with "
-            f"parallelism.pipeline_parallel_degree={parallelism.pipeline_parallel_degree}: upstream "
-            "b5bcd76's per-microbatch token budget is not mapped yet; leave num_pp_microbatches at 1 (or unset) and "
-            "set training.local_batch_size (sequences per rank and iteration) and "
-            "parallelism.pipeline_parallel_microbatch_size (sequences per microbatch)."
-        )
 
 
 def _symm_mem_capable() -> bool:

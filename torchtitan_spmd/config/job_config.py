@@ -17,6 +17,13 @@ from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from ._section import check_value
+from .activation_checkpoint import (
+    ActivationCheckpointing,
+    SelectiveAC,
+    ac_section,
+    activation_checkpoint_type,
+    is_ac_value,
+)
 from .backends import backend, backend_names
 from .configs import (
     ActivationCheckpointConfig,
@@ -35,8 +42,8 @@ from .configs import (
     TokenizerConfig,
     TrainingConfig,
     ValidatorConfig,
-    check_august_fields,
 )
+from .surface import get_surface
 
 __all__ = ["JobConfig", "SpmdTypecheckingWarning"]
 
@@ -66,6 +73,11 @@ _SECTIONS: dict[str, type[Any]] = {
         ProfilerConfig,
     )
 }
+
+
+def _default_activation_checkpoint() -> ActivationCheckpointConfig | ActivationCheckpointing.Config:
+    """The surface's default: June's section, or upstream b5bcd76's ``SelectiveAC.Config()`` (the same policy)."""
+    return SelectiveAC.Config() if get_surface().activation_checkpoint_policies else ActivationCheckpointConfig()
 
 
 #: The root's own fields (upstream's ``Trainer.Config`` fields that are not sections), with
@@ -112,8 +124,12 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """``[checkpoint]``: saving and loading."""
 
-    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
-    """``[activation_checkpoint]``: recomputation in backward."""
+    # The annotation is a call, evaluated by typing.get_type_hints (tyro) only: tyro is imported then.
+    activation_checkpoint: activation_checkpoint_type() = field(  # type: ignore[valid-type]
+        default_factory=_default_activation_checkpoint)
+    """``[activation_checkpoint]``: recomputation in backward. June's section (``mode``) or upstream
+    b5bcd76's policy configs (``SelectiveAC.Config()``, ``FullAC.Config()``, ``MemoryBudgetAC.Config()``)
+    or None, read back as written (:mod:`.activation_checkpoint`); the default follows the surface."""
 
     compile: CompileConfig = field(default_factory=CompileConfig)
     """``[compile]``: ``torch.compile``."""
@@ -135,7 +151,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
-            if not isinstance(getattr(self, name), cls):
+            if name == "activation_checkpoint":
+                self._check_activation_checkpoint()
+            elif not isinstance(getattr(self, name), cls):
                 raise TypeError(
                     f"JobConfig.{name} must be a {cls.__name__}, "
                     f"got {type(getattr(self, name)).__name__}."
@@ -147,9 +165,10 @@ class JobConfig:
 
         Runs on construction; call again after mutating sections (the trainer does).
         """
+        self._check_activation_checkpoint()
         for name in _SECTIONS:
-            getattr(self, name).check()
-        check_august_fields(self.parallelism)
+            if getattr(self, name) is not None:  # activation_checkpoint=None: upstream b5bcd76's "none"
+                getattr(self, name).check()
         _legacy.move_renamed_fields(self)  # compat hook: training.dataset* -> dataloader.*, model.hf_assets_path
         for name, tp in _ROOT_FIELDS.items():
             object.__setattr__(self, name, check_value(name, getattr(self, name), tp))
@@ -171,6 +190,13 @@ class JobConfig:
                 SpmdTypecheckingWarning,
                 stacklevel=stacklevel_outside_library(),
             )
+
+    def _check_activation_checkpoint(self) -> None:
+        if not is_ac_value(self.activation_checkpoint):
+            raise TypeError(
+                "JobConfig.activation_checkpoint must be an ActivationCheckpointConfig (June's section), "
+                "SelectiveAC.Config, FullAC.Config, MemoryBudgetAC.Config or None (upstream b5bcd76's "
+                f"policies), got {type(self.activation_checkpoint).__name__}.")
 
     @classmethod
     def root_fields(cls) -> tuple[str, ...]:
@@ -209,4 +235,6 @@ class JobConfig:
         """The whole config as nested plain dicts (None values kept): each section's dict, and
         the root fields' values."""
         return {**{name: getattr(self, name) for name in _ROOT_FIELDS},
-                **{name: getattr(self, name).to_dict() for name in _SECTIONS}}
+                **{name: getattr(self, name).to_dict() for name in _SECTIONS if name != "activation_checkpoint"},
+                # one meaning whichever generation spelled it: June's section (from_dict reads it back)
+                "activation_checkpoint": ac_section(self.activation_checkpoint).to_dict()}

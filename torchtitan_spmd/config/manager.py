@@ -11,6 +11,11 @@ Precedence, as in torchtitan: CLI overrides > the config function's values.
   are tyro flags (``--debug.deterministic`` / ``--debug.no-deterministic``); a
   ``list[str]`` takes one comma-separated value (``--checkpoint.exclude_from_loading
   optimizer,lr_scheduler``); hyphens and underscores are interchangeable.
+- activation checkpointing in either generation's spelling: June's ``--activation_checkpoint.mode
+  full`` (and its other fields), or upstream b5bcd76's subcommands ``activation-checkpoint:full``
+  (``selective``, ``memory-budget``, ``none``) followed by that policy's fields. Unlike upstream's
+  plain tyro, options may come in any order around the subcommand (tyro's
+  ``CascadeSubcommandArgs``).
 - ``--job.config_file F.toml`` instead of ``--module/--config``: the loader of forks
   from before torchtitan moved to Python registries (a TOML file over ``JobConfig``'s
   defaults), with the same tyro overrides on top.
@@ -42,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from ._section import invalid_choice
+from .activation_checkpoint import ActivationCheckpointConfig, ac_section, policy_classes
 from .backends import backend_names, resolve_backend
 from .configs import SpmdBackend, SpmdBackendSpelling, TrainingConfig
 from .job_config import JobConfig
@@ -114,6 +120,31 @@ def _release_token_partners(config: Any, args: Sequence[str]) -> Any:
             walk(getattr(obj, f.name, None), f"{path}.{f.name}" if path else f.name, depth + 1)
 
     walk(copied, "", 0)
+    return copied
+
+
+#: June's activation-checkpointing fields that no August policy has: given on the command line
+#: over an August policy (or None) with no subcommand, they mean June's section.
+_JUNE_AC_FLAGS = frozenset({"mode", "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "no_early_stop"})
+
+
+def _june_ac_over_policy(config: Any, args: Sequence[str]) -> Any:
+    """``config``, or a copy whose ``activation_checkpoint`` is June's section when ``args`` set one of
+    June's own fields (``--activation_checkpoint.mode none``) over an August policy config or None
+    and name no subcommand: the same setting in June's section (:func:`ac_section`), which tyro then
+    overrides, so a June flag keeps working under a config function written in August's spelling."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type) or not hasattr(config, "activation_checkpoint"):
+        return config
+    current = config.activation_checkpoint
+    if isinstance(current, ActivationCheckpointConfig) or not (current is None or isinstance(current, policy_classes())):
+        return config
+    names = [a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in args]
+    if any(n.startswith("activation_checkpoint:") for n in names):  # an explicit subcommand decides
+        return config
+    if not any(n.startswith("activation_checkpoint.") and n.split(".", 1)[1] in _JUNE_AC_FLAGS for n in names):
+        return config
+    copied = copy.copy(config)
+    object.__setattr__(copied, "activation_checkpoint", ac_section(current))
     return copied
 
 
@@ -314,8 +345,10 @@ class ConfigManager:
         ``config`` is any dataclass root; it is left unchanged. No ``--module`` is needed.
         """
         args = _legacy.translate_legacy_cli_args(list(args))  # compat hook
-        config = _release_token_partners(config, args)
-        return _tyro().cli(type(config), args=args, default=config, registry=_custom_registry())
+        config = _june_ac_over_policy(_release_token_partners(config, args), args)
+        tyro = _tyro()
+        return tyro.cli(type(config), args=args, default=config, registry=_custom_registry(),
+                        config=(tyro.conf.CascadeSubcommandArgs,))
 
     def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
         """Strip ``--module``/``--config`` (or ``--job.config_file``); return the config and the rest."""

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .activation_checkpoint import MemoryBudgetAC
 from .configs import (
     ActivationCheckpointConfig,
     CheckpointConfig,
@@ -28,7 +29,7 @@ from .configs import (
     TrainingConfig,
 )
 
-__all__ = ["UNSUPPORTED", "Unsupported", "check_supported"]
+__all__ = ["UNSUPPORTED", "UNSUPPORTED_POLICIES", "Unsupported", "check_supported"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,13 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     *_rows(DebugConfig, "batch-invariant mode", "batch_invariant"),
 )
 
+#: Upstream b5bcd76's activation-checkpointing policies (#3674) this runtime does not implement:
+#: (policy config class, its command-line spelling, the feature).
+UNSUPPORTED_POLICIES: tuple[tuple[type, str, str], ...] = (
+    (MemoryBudgetAC.Config, "activation-checkpoint:memory-budget",
+     "memory-budget activation checkpointing (the compiler's min-cut recomputation)"),
+)
+
 for _row in UNSUPPORTED:  # a typo in the table is a packaging error, caught on import
     if _row.field not in {f.name for f in dataclasses.fields(_row.section)}:
         raise ImportError(f"support table: {_row.section.__name__} has no field {_row.field!r}")
@@ -110,6 +118,12 @@ def check_supported(config: Any) -> None:
     """
     problems: list[str] = []
     for path, section in _sections(config, ""):
+        for cls, spelled, feature in UNSUPPORTED_POLICIES:
+            if isinstance(section, cls):
+                problems.append(
+                    f"{path or section.section_name}={cls.__qualname__}() ({spelled}): {feature} is not "
+                    "implemented by torchtitan_spmd yet; use SelectiveAC.Config(), FullAC.Config() or None "
+                    "(activation-checkpoint:selective, :full or :none).")
         for row in UNSUPPORTED:
             if not isinstance(section, row.section):
                 continue

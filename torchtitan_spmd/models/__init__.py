@@ -194,7 +194,7 @@ def upstream_recipe(name: str, flavor: str, *, lr: float, local_batch_size: int,
     the config's default unless ``--training.dataset json --training.dataset_path`` name a local
     copy; ``hf_assets_path``: ``--hf_assets_path`` names the local folder).
     """
-    from torchtitan_spmd.config import JobConfig
+    from torchtitan_spmd.config import ActivationCheckpointConfig, JobConfig
 
     config = JobConfig()
     config.model.name = name
@@ -205,7 +205,7 @@ def upstream_recipe(name: str, flavor: str, *, lr: float, local_batch_size: int,
     config.optimizer.lr = lr
     config.lr_scheduler.warmup_steps = warmup_steps
     config.checkpoint.interval = checkpoint_interval
-    config.activation_checkpoint.mode = ac_mode  # type: ignore[assignment]
+    config.activation_checkpoint = ActivationCheckpointConfig(mode=ac_mode)  # type: ignore[arg-type]
     config.metrics.enable_tensorboard = tensorboard
     for field, value in parallelism.items():
         setattr(config.parallelism, field, value)

@@ -49,6 +49,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "ScaledDotProductAttention",
+    "VocabShardedEmbedding",
     "block_causal_mask",
     "check_attn_mask_type",
     "check_attn_mask_value",
@@ -229,6 +230,67 @@ class ScaledDotProductAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
+class VocabShardedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose table may be sharded on the vocabulary (a tied decoder's).
+
+    A tied decoder's embedding table is its output projection's weight, which tensor
+    parallelism shards on the vocabulary (``S(0)@tp``, upstream's ``RowwiseParallel`` for an
+    ``nn.Embedding`` and ``ColwiseParallel`` for the output). The plan declares this module a
+    local region: each rank looks up the tokens its rows hold and gives zeros for the others,
+    so the output is a pending sum over ``tp`` (reduced, or reduce-scattered onto the residual
+    stream, at the module's output boundary).
+
+    Which rows this rank holds is read, whatever the backend, from the non-persistent buffer
+    ``vocab_ids`` (``arange(num_embeddings)``), which the plan lays out as the table: its local
+    shard holds the ids of the local rows (not saved; ``Decoder.initial_value`` restates it).
+    Unsharded, the lookup is ``nn.Embedding``'s.
+    """
+
+    vocab_ids: torch.Tensor
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_buffer("vocab_ids", torch.arange(num_embeddings, device=self.weight.device),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's table for the ``tokens`` it holds, zeros for the others.
+
+        DTensor ``tokens`` (a plan that does not declare this module a local region, under
+        ``full_dtensor``): DTensor computes the lookup itself."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tokens, DTensor):
+            return F.embedding(tokens, self.weight)
+        weight, ids = _local_shard_weight(self.weight), _local_value(self.vocab_ids)
+        if weight.shape[0] == self.num_embeddings:  # the whole table
+            return F.embedding(tokens, weight)
+        local = tokens - ids[:1]
+        outside = (local < 0) | (local >= weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), weight)
+        return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _local_value(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local value (a DTensor's ``to_local()``; a plain tensor as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_shard_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A vocab-sharded table's local value inside its local region, its gradient a pending sum
+    (``Partial``) on every mesh dim where the table is replicated: those hold different tokens
+    (the batch; the sequence under ``cp``), so each rank's gradient is its tokens' share. The
+    table's other use (the tied output projection) gets the same gradient placements from
+    DTensor, so the two add up in one gradient. A plain tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in weight.placements])
+
+
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``rope(x [batch, seq, heads, head_dim], cos, sin) -> x rotated``; ``cos``/``sin`` are
 ``[seq, head_dim // 2]`` or per token ``[batch, seq, head_dim // 2]`` (broadcast over heads)."""
@@ -345,11 +407,14 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)  # type: ignore[attr-defined]
+        tied = bool(getattr(c, "enable_weight_tying", False))
+        # Tied: the table is also the output's weight, vocab-sharded under tensor parallelism.
+        embedding = VocabShardedEmbedding if tied else nn.Embedding
+        self.tok_embeddings = embedding(c.vocab_size, c.dim)  # type: ignore[attr-defined]
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(c.n_layers)})  # type: ignore[attr-defined]
         self.norm = RMSNorm(c.dim, eps=c.norm_eps)  # type: ignore[attr-defined]
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)  # type: ignore[attr-defined]
-        if getattr(c, "enable_weight_tying", False):
+        if tied:
             self.tie_weights()
             # Saved once, as the embedding (HF's tie_word_embeddings writes no lm_head either):
             # the output's name leaves the state dict, and loading puts it back, tied.
@@ -445,6 +510,8 @@ class Decoder(nn.Module):
         """
         if fqn in ("rope_cos", "rope_sin"):
             return self._rope_tables()[0 if fqn == "rope_cos" else 1]
+        if fqn == "tok_embeddings.vocab_ids":  # a tied table's row ids (VocabShardedEmbedding)
+            return torch.arange(shape[0])
         if fqn.endswith(ZERO_INIT):
             return torch.zeros(shape, dtype=torch.float32)
         if len(shape) == 1:

@@ -8,7 +8,10 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
 - vocab-parallel ``output`` (weight ``S(0)@tp``, logits ``S(2)@tp``) with loss
   parallel; without it the logits are gathered to ``I@tp`` (every TP rank then
   computes the same loss);
-- replicated RoPE tables and a replicated token embedding;
+- replicated RoPE tables and a replicated token embedding; a tied model's embedding
+  (``enable_weight_tying``: its table is the output's weight, ``S(0)@tp``) is vocab-parallel
+  instead: each rank looks up the tokens its rows hold, a pending sum over ``tp`` reduced
+  onto the residual stream (upstream's ``RowwiseParallel`` for an ``nn.Embedding``);
 - attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``);
 - context parallelism: every activation is sequence-sharded on ``cp`` (``S(1)@cp``;
   heads-first ``S(2)@cp``), the SDPA kernel's queries, keys and values included: the
@@ -43,9 +46,12 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     """The TP/SP/CP plan of a decoder, plus the family's ``extra`` module plans.
 
     ``tied`` (``enable_weight_tying``): the output projection's weight is the embedding's, one
-    tensor with one layout, replicated on ``tp`` as the embedding; the output then computes every
-    vocabulary column from the gathered sequence and, with loss parallel, keeps its own slice of
-    them (``S(2)@tp``: a local slice forward, a gather backward), so the loss is unchanged.
+    tensor with one layout, vocab-parallel on both sides (``S(0)@tp``): the output is the
+    untied plan's (vocab-sharded logits ``S(2)@tp``, into loss parallel when it is on), and the
+    embedding (a :class:`~torchtitan_spmd.models.common.VocabShardedEmbedding`) is a local
+    region that looks up the tokens of this rank's rows (the others zero: a pending sum over
+    ``tp``), reduce-scattered onto the residual stream (all-reduced without sequence
+    parallelism). Both uses' gradients add up in the one parameter, each rank's in its rows.
     """
     replicated = SpmdLayout()
     sequence = SpmdLayout({"cp": S(1)})  # [batch, seq/cp, ...], replicated on tp
@@ -56,6 +62,7 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     heads_first = SpmdLayout({"cp": S(2), "tp": S(1)})  # [batch, heads/tp, seq/cp, head_dim]
     partial = SpmdLayout({"cp": S(1), "tp": P})
     vocab = SpmdLayout({"cp": S(1), "tp": S(2)})  # [batch, seq/cp, vocab/tp]
+    vocab_rows = SpmdLayout({"tp": S(0)})  # [vocab/tp, dim]: the output's weight (and a tied embedding's)
     colwise = ModulePlan(params={"weight": SpmdLayout({"tp": S(0)})}, inputs=(sequence,), output=features)
     rowwise = ModulePlan(
         params={"weight": SpmdLayout({"tp": S(1)})},
@@ -70,6 +77,11 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
             params={"weight": replicated},
             inputs=(sequence,),
             output=Redistribute(sequence, residual),
+        ) if not tied else ModulePlan(
+            params={"weight": vocab_rows, "vocab_ids": vocab_rows},
+            inputs=(sequence,),
+            output=Redistribute(partial, residual),
+            local_compute=True,
         ),
         "layers.*.attention_norm": norm,
         "layers.*.ffn_norm": norm,
@@ -88,13 +100,9 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         "layers.*.feed_forward.w2": rowwise,
         "norm": norm,
         "output": ModulePlan(
-            params={"weight": SpmdLayout({"tp": S(0)})},
+            params={"weight": vocab_rows},
             inputs=(gather_residual,),
             output=vocab if loss_parallel else Redistribute(vocab, SpmdLayout({"cp": S(1), "tp": I})),
-        ) if not tied else ModulePlan(
-            params={"weight": replicated},
-            inputs=(gather_residual,),
-            output=Redistribute(sequence, vocab if loss_parallel else SpmdLayout({"cp": S(1), "tp": I})),
         ),
         **(extra or {}),
     }

@@ -14,6 +14,10 @@ Upstream's modes and names (``torchtitan.distributed.activation_checkpoint.apply
   matmul of a block is recomputed too, and matmuls with the weight shape of a
   Linear named in ``per_op_sac_force_recompute_mm_shapes_by_fqns`` always are.
 
+Upstream b5bcd76's policy configs (#3674: ``SelectiveAC.Config``, ``FullAC.Config``,
+``MemoryBudgetAC.Config``, None; :mod:`torchtitan_spmd.config.activation_checkpoint`, re-exported
+here where upstream keeps them) are the same modes (:func:`~torchtitan_spmd.config.ac_section`).
+
 ``preserve_rng_state``, ``determinism_check``, ``early_stop`` and ``debug`` are passed
 to ``torch.utils.checkpoint`` as they are. ``"memory_budget"`` (the compiler's
 min-cut recomputation) is not implemented: ``check_supported`` rejects it at setup.
@@ -37,12 +41,19 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan_spmd.config.activation_checkpoint import (
+    ActivationCheckpointing,
+    FullAC,
+    MemoryBudgetAC,
+    SelectiveAC,
+    ac_section,
+)
 from torchtitan_spmd.config.support import check_supported
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import ActivationCheckpointConfig
 
-__all__ = ["AC_MODES", "apply_ac", "save_ops"]
+__all__ = ["AC_MODES", "ActivationCheckpointing", "FullAC", "MemoryBudgetAC", "SelectiveAC", "apply_ac", "save_ops"]
 
 #: The modes :func:`apply_ac` implements.
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -143,13 +154,16 @@ def _wrap(block: nn.Module, ac: ActivationCheckpointConfig, base_fqn: str) -> nn
     return checkpoint_wrapper(block, **kwargs)
 
 
-def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> nn.Module:
-    """Checkpoint every block of ``model.layers`` per ``ac.mode`` (in place; returns ``model``).
+def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig | ActivationCheckpointing.Config | None) -> nn.Module:
+    """Checkpoint every block of ``model.layers`` per ``ac`` (June's section, or upstream b5bcd76's
+    policy config or None; in place; returns ``model``).
 
     Raises ``ValueError`` for a mode other than :data:`AC_MODES`, or a model without
     a ``layers`` container of blocks.
     """
-    check_supported(ac)  # the support table (memory_budget); the config rejects other modes
+    if ac is not None:
+        check_supported(ac)  # the support table (memory_budget); the config rejects other modes
+    ac = ac_section(ac)
     if ac.mode == "none":
         return model
     layers = getattr(model, "layers", None)

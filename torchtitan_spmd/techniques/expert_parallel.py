@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
 from torchtitan_spmd.config.backends import backend as backend_record
 from torchtitan_spmd.distributed.expert_exchange import ExpertExchange
 from torchtitan_spmd.distributed.layout import S, SpmdLayout
@@ -131,7 +132,7 @@ def validate_expert_parallel(model_config: Any, job_config: JobConfig, parallel_
                          f"model.flavor={job_config.model.flavor!r} is dense; the MoE flavours: {_moe_flavors()}. "
                          "Or set parallelism.expert_parallel_degree=1.")
     typechecked = job_config.debug.spmd_typechecking and backend_record(job_config.parallelism.spmd_backend).typechecking
-    if typechecked and job_config.activation_checkpoint.mode == "selective":
+    if typechecked and ac_section(job_config.activation_checkpoint).mode == "selective":
         # Measured: the typed combine's all-to-all is not found again by selective AC's recompute
         # ("all_to_all_single ... invocation index 1 ... not found in storage"); full AC runs.
         raise ValueError(f"{ep} with debug.spmd_typechecking=True and activation_checkpoint.mode='selective' "

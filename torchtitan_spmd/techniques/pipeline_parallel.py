@@ -20,7 +20,9 @@ Training semantics: every stage reads the same rows as without PP (the data-para
 does not depend on the stage), the loss is computed on the last stage, and
 :meth:`PipelineParallel.global_loss` / the ``stage_group`` of :func:`~.grad_norm.clip_grad_norm_`
 sum the loss and the squared gradient norm over ``pp`` too, so every rank logs the true global
-values. Gradient accumulation runs the schedule once per ``training.local_batch_size`` rows.
+values. Gradient accumulation runs the schedule once per iteration's rows (:func:`pipeline_rows`:
+June's ``training.local_batch_size`` split by ``pipeline_parallel_microbatch_size``, or upstream
+b5bcd76's ``num_pp_microbatches`` microbatches of ``num_tokens_per_microbatch_per_dp_rank`` each).
 Validation runs the same schedule forward only (torch's ``eval``, :meth:`PipelineParallel.evaluate`),
 its token-weighted loss agreed as the training loss is.
 
@@ -53,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
 from torchtitan_spmd.distributed.apply_plan import plain_fqn
 from torchtitan_spmd.distributed.plan import ShardingPlan, boundary_dst, fqn_matches
 
@@ -69,6 +72,7 @@ __all__ = [
     "StageBoundaries",
     "csv_schedule",
     "generate_llm_fqn_per_model_part",
+    "pipeline_rows",
     "split_module",
 ]
 
@@ -452,6 +456,11 @@ class PipelineStages:
     parts: tuple[tuple[str, ...], ...]
     n_microbatches: int
     schedule_csv: str = ""
+    #: Sequences of one schedule iteration on one data-parallel rank (:func:`pipeline_rows`).
+    local_rows: int = 1
+    #: Upstream b5bcd76's pipeline microbatches of ``training.local_batch_size`` sequences in one
+    #: iteration (``parallelism.num_pp_microbatches``); 1 under June's spelling.
+    num_pp_microbatches: int = 1
 
     def indices_of(self, pp_rank: int) -> list[int]:
         """The stages ``pp_rank`` holds, in order: ``pp_rank + s * pp`` for looped schedules,
@@ -511,7 +520,7 @@ class PipelineStages:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is a multi-stage schedule (>= 2 "
                              f"stages a rank), but {where} {num_stages} stages, {per_rank} a rank at "
                              f"pipeline_parallel_degree={pp}.")
-        ac_mode = job_config.activation_checkpoint.mode
+        ac_mode = ac_section(job_config.activation_checkpoint).mode
         if csv and ac_mode == "selective" and _csv_splits_backward(csv):
             raise ValueError(f"parallelism.pipeline_parallel_schedule_csv={csv!r} splits backwards in two (I and W "
                              f"actions), which activation_checkpoint.mode='selective' cannot run; use mode 'full' or "
@@ -524,10 +533,7 @@ class PipelineStages:
         if parts is None:
             parts = generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
         _check_fqns(parts, module_names)
-        mb = par.pipeline_parallel_microbatch_size
-        if training.local_batch_size % mb:
-            raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
-                             f"training.local_batch_size={training.local_batch_size}.")
+        rows, mb = pipeline_rows(par, training)
         from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
         v_shaped = issubclass(schedule_class, ScheduleZBVZeroBubble | ScheduleDualPipeV)
@@ -535,8 +541,38 @@ class PipelineStages:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} places 2 stages a rank, but "
                              f"{where} {num_stages} stages, {per_rank} a rank at pipeline_parallel_degree={pp}.")
         return cls(schedule_name=name, num_stages=num_stages, pp=pp, v_shaped=v_shaped,
-                   parts=tuple(tuple(p) for p in parts), n_microbatches=training.local_batch_size // mb,
-                   schedule_csv=csv)
+                   parts=tuple(tuple(p) for p in parts), n_microbatches=rows // mb,
+                   schedule_csv=csv, local_rows=rows, num_pp_microbatches=rows // training.local_batch_size)
+
+
+def pipeline_rows(parallelism: Any, training: Any) -> tuple[int, int]:
+    """Under pipeline parallelism: the sequences of one schedule iteration (one gradient-accumulation
+    microbatch) on one data-parallel rank, and the sequences of one pipeline microbatch.
+
+    - June's spelling (``parallelism.num_pp_microbatches`` None, a0c831c49): ``training.local_batch_size``
+      sequences an iteration, in microbatches of ``pipeline_parallel_microbatch_size``;
+    - upstream b5bcd76's (#3856, #4121; ``num_pp_microbatches`` M, an int, ``1`` by default under the
+      ``august`` surface): M microbatches an iteration, each
+      ``training.num_tokens_per_microbatch_per_dp_rank`` tokens (``local_batch_size`` sequences), so
+      ``M * local_batch_size`` sequences an iteration. ``pipeline_parallel_microbatch_size`` (June's
+      field, which August removed) left at 1 keeps upstream's microbatch; above 1 it splits each of
+      them further (the same tokens and losses, more schedule microbatches).
+
+    Raises ``ValueError`` naming the fields when a microbatch is not a whole number of sequences.
+    """
+    local, mb = training.local_batch_size, parallelism.pipeline_parallel_microbatch_size
+    m = parallelism.num_pp_microbatches
+    if m is None:
+        if local % mb:
+            raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
+                             f"training.local_batch_size={local}.")
+        return local, mb
+    if mb > 1 and local % mb:
+        raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide the "
+                         f"{local} sequences of a pipeline microbatch (parallelism.num_pp_microbatches={m} "
+                         f"microbatches of training.num_tokens_per_microbatch_per_dp_rank="
+                         f"{training.num_tokens_per_microbatch_per_dp_rank} tokens each); leave it at 1.")
+    return m * local, mb if mb > 1 else local
 
 
 @dataclass
@@ -557,6 +593,8 @@ class PipelineParallel:
     module_names: list[list[str]]
     n_microbatches: int
     group: dist.ProcessGroup
+    #: Sequences of one pipeline microbatch (:func:`pipeline_rows`).
+    microbatch_rows: int = 1
     schedule: Any = None
     loss: _StepLoss | None = None
     #: ``pipeline_parallel_schedule_csv``: the schedule's actions from this file (torch's
@@ -588,7 +626,8 @@ class PipelineParallel:
         indices = stages.indices_of(pp_mesh.get_local_rank())
         return cls(schedule_name=stages.schedule_name, num_stages=stages.num_stages, stage_indices=indices,
                    module_names=[list(stages.parts[i]) for i in indices], n_microbatches=stages.n_microbatches,
-                   group=pp_mesh.get_group(), schedule_csv=stages.schedule_csv)
+                   group=pp_mesh.get_group(), schedule_csv=stages.schedule_csv,
+                   microbatch_rows=stages.local_rows // stages.n_microbatches)
 
     def split(self, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
         """This stage's part of ``model`` (meta) and the plan restricted to it."""
@@ -628,7 +667,8 @@ class PipelineParallel:
                                            n_microbatches=self.n_microbatches, loss_fn=self.loss, scale_grads=False)
         except ValueError as err:  # torch's own checks of the schedule (e.g. DualPipeV's microbatch count)
             raise ValueError(f"parallelism.pipeline_parallel_schedule={self.schedule_name!r} with "
-                             f"{self.n_microbatches} microbatches (training.local_batch_size / "
+                             f"{self.n_microbatches} microbatches (of {self.microbatch_rows} sequences: "
+                             f"parallelism.num_pp_microbatches, or training.local_batch_size / "
                              f"pipeline_parallel_microbatch_size) and {self.num_stages} stages: {err}") from None
         logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
                     f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
@@ -655,7 +695,7 @@ class PipelineParallel:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                          token_count: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one local batch (``training.local_batch_size`` rows) through the schedule.
+        """Run one iteration's rows (:attr:`PipelineStages.local_rows`) through the schedule.
 
         ``positions``: the tokens' RoPE positions (context parallelism), given to every stage.
         Returns the sum of its microbatch losses on the last stage, 0 elsewhere (no gradient).

@@ -9,7 +9,9 @@ names). Outside its windows the profiler records nothing (the overhead is in
 ``docs/benchmarks.md``).
 
 Memory snapshots (``enable_memory_snapshot``) need CUDA's allocator history; on CPU there is
-none, and one start-up line says so.
+none, and one start-up line says so. One is dumped every :func:`memory_snapshot_freq` steps:
+``profiler.memory_snapshot_freq`` (upstream b5bcd76's field), else ``profile_freq`` (the cadence
+before that field), independently of the trace windows.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Profiler"]
+__all__ = ["Profiler", "memory_snapshot_freq"]
 
 logger = logging.getLogger("torchtitan_spmd")
+
+
+def memory_snapshot_freq(config: Any) -> int:
+    """Steps between memory snapshots: ``config.memory_snapshot_freq``, or ``profile_freq`` when it
+    is None (upstream b5bcd76's rule; a config of June's shape, without the field, is the latter)."""
+    freq = getattr(config, "memory_snapshot_freq", None)
+    return config.profile_freq if freq is None else freq
 
 
 class Profiler:
@@ -36,6 +45,8 @@ class Profiler:
         self.step_num = start_step
         self._torch: Any = None
         self._memory = False
+        #: Steps between memory snapshots (:func:`memory_snapshot_freq`).
+        self.memory_snapshot_freq = memory_snapshot_freq(config)
         #: The traces this rank wrote, in order.
         self.traces: list[str] = []
 
@@ -60,6 +71,9 @@ class Profiler:
             if self.device_type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=cfg.memory_snapshot_max_entries)
                 self._memory = True
+                if self.rank == 0:
+                    logger.info(f"profiling: a memory snapshot every {self.memory_snapshot_freq} steps goes to "
+                                f"{self.memory_dir}")
             elif self.rank == 0:
                 logger.info("profiling: profiler.enable_memory_snapshot has no effect on CPU (memory "
                             "snapshots are CUDA allocator histories); none is written")
@@ -72,13 +86,17 @@ class Profiler:
         prof.export_chrome_trace(path)
         self.traces.append(path)
 
+    def snapshot_due(self, step: int) -> bool:
+        """Whether a memory snapshot is dumped after ``step``: every ``memory_snapshot_freq``th step."""
+        return step % self.memory_snapshot_freq == 0
+
     def step(self) -> None:
-        """After each optimizer step: advance the schedule; dump a memory snapshot every
-        ``profile_freq`` steps."""
+        """After each optimizer step: advance the schedule; dump a memory snapshot when
+        :meth:`snapshot_due` (CUDA only)."""
         self.step_num += 1
         if self._torch is not None:
             self._torch.step()
-        if self._memory and self.step_num % self.config.profile_freq == 0:
+        if self._memory and self.snapshot_due(self.step_num):
             folder = os.path.join(self.memory_dir, f"step_{self.step_num:012d}")
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"{self.rank:06d}_step_{self.step_num}.pickle"), "wb") as f:

@@ -1,7 +1,8 @@
 """Backend ``default``: DTensor only on the TP axis, FSDP2 on the data-parallel axes.
 
 - parameters are DTensors on the 1-D ``tp`` mesh with the plan's placements;
-  buffers stay plain tensors;
+  buffers stay plain tensors (a buffer the plan shards, e.g. a tied embedding's row ids:
+  this rank's shard);
 - activations travel between modules as plain local tensors; a redistributing
   boundary wraps its value as a DTensor with the declared layout
   (``DTensor.from_local``) and lets DTensor redistribute it;
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..layout import SpmdLayout
 from ..representation import FsdpSpec, as_parameter_like
@@ -47,9 +48,11 @@ class DefaultRepresentation(DTensorRepresentation):
         return parallel_dims.get_optional_mesh("tp")
 
     def distribute(self, tensor: torch.Tensor, layout: SpmdLayout) -> torch.Tensor:
-        if not isinstance(tensor, nn.Parameter):
-            return tensor  # buffers stay plain
         placements = self.placements(layout, data=False)
+        if not isinstance(tensor, nn.Parameter):  # buffers stay plain: this rank's shard
+            if all(isinstance(p, Replicate) for p in placements):
+                return tensor
+            return distribute_tensor(tensor.detach(), self._mesh(), placements, src_data_rank=None).to_local()
         return as_parameter_like(tensor, distribute_tensor(tensor.detach(), self._mesh(), placements,
                                                            src_data_rank=None))
 

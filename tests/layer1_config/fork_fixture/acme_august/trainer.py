@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan_spmd.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan_spmd.config import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    DebugConfig,
+    FullAC,
+    ParallelismConfig,
+    SelectiveAC,
+    TrainingConfig,
+)
 
 
 @dataclass(kw_only=True)
@@ -23,6 +31,9 @@ class AugustTrainerConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     """[compile]"""
 
+    activation_checkpoint: ActivationCheckpointingConfig = field(default_factory=SelectiveAC.Config)
+    """upstream b5bcd76's union of policies (#3674): ``activation-checkpoint:full`` on the command line"""
+
     debug: DebugConfig = field(default_factory=DebugConfig)
     """[debug]"""
 
@@ -30,6 +41,11 @@ class AugustTrainerConfig:
 def uses_partial_dtensor(config: AugustTrainerConfig) -> bool:
     """What upstream's code at b5bcd76 writes (e.g. its loss and AC helpers)."""
     return config.parallelism.spmd_backend == "partial_dtensor"
+
+
+def recomputes_whole_blocks(config: AugustTrainerConfig) -> bool:
+    """What upstream's code at b5bcd76 writes (e.g. its minimal async EP check)."""
+    return isinstance(config.activation_checkpoint, FullAC.Config)
 
 
 def microbatch_sequences(config: AugustTrainerConfig) -> int:

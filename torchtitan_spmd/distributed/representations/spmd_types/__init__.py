@@ -50,6 +50,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan_spmd.config.activation_checkpoint import ac_section
+
 from ...apply_plan import resolve_state
 from ...expert_exchange import ExpertExchange
 from ...layout import SpmdLayout
@@ -153,7 +155,7 @@ class SpmdTypesRepresentation(TensorRepresentation):
                 "Function is unregistered there, and P does not mix with I under FSDP). Train "
                 "unchecked on 0.2.x (debug.spmd_typechecking=False), or pip install 'spmd-types>=0.3.1,<0.4'."
             )
-        mode = job_config.activation_checkpoint.mode
+        mode = ac_section(job_config.activation_checkpoint).mode
         if job_config.debug.spmd_typechecking and mode != "none":
             # Measured: on torch 2.11 the checker stops at torch.utils.checkpoint's
             # _NoopSaveInputs ("tensor argument 'args' was not accounted for"); 2.13 and 2.14 pass.
