@@ -344,18 +344,27 @@ def _gathered_param_bytes(built: Any, setup: Any, job_config: JobConfig) -> int:
 class _FlashAttentionSaves(torch.autograd.Function):
     """On meta, what a flash-attention kernel keeps for backward: ``q``, ``k``, ``v``, the output
     and a float32 log-sum-exp per query (the meta device would otherwise pick the math kernel,
-    which keeps the ``seq x seq`` scores that no real kernel here keeps)."""
+    which keeps the ``seq x seq`` scores that no real kernel here keeps). With packed documents'
+    ``positions`` (``attn_mask_type="block_causal"``) also the boolean mask it is given,
+    ``[batch, 1, seq, seq]``."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: D102
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        saved = [q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32)]
+        if positions is not None:
+            b, s = positions.shape
+            saved.append(q.new_empty((b, 1, s, s), dtype=torch.bool))
+        ctx.with_positions = positions is not None
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: D102
+        q, k, v = ctx.saved_tensors[:3]
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        return (*grads, None) if ctx.with_positions else grads
 
 
 def _balanced_expert_outputs(experts: nn.Module) -> Callable[..., torch.Tensor]:
@@ -420,8 +429,10 @@ def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype) -> tuple[
         block.register_forward_pre_hook(lambda *_, i=i: where.__setitem__("block", i))
         block.register_forward_hook(lambda *_: where.__setitem__("block", -1))
     x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # packed documents (block_causal): per-document positions, from which each attention builds its mask
+    kwargs = {"positions": x} if getattr(config, "attn_mask_type", "causal") == "block_causal" else {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(x)
+        logits = model(x, **kwargs)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
     _SAVED_CACHE[key] = (per[:-1], per[-1])
     return _SAVED_CACHE[key]
@@ -639,6 +650,8 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
         x, y = prepare_inputs(tokens, tokens, rep)
         kwargs = {} if context_parallel is None else {  # this rank's positions, as the trainer's step
             "positions": prepare_positions(context_parallel.positions(batch, seq, device="meta"), rep)}
+        if getattr(setup.model_config, "attn_mask_type", "causal") == "block_causal":  # per-document positions
+            kwargs["positions"] = prepare_positions(torch.zeros(batch, seq, dtype=torch.long, device="meta"), rep)
         context = get_train_context(enable_loss_parallel=pd.tp_enabled and not job_config.parallelism.disable_loss_parallel,
                                     parallel_dims=pd, representation=rep, spmd_typechecking=False)
         counter = _CommCounter()

@@ -98,6 +98,11 @@ class Architecture:
     tied: bool = False
     """Tied embeddings (``enable_weight_tying``): there is no ``output.weight``; the logits are the
     final hidden states times the embedding table's transpose, so its gradient has both parts."""
+    document_eos: int | None = None
+    """Packed documents (``attn_mask_type="block_causal"``): the EOS id that ends each document.
+    A token then attends only to the earlier tokens of its own document, its RoPE position is
+    its index in that document, and an EOS token's label (the next document's first token) is
+    not trained. None: one causal sequence per window."""
 
 
 @dataclass(frozen=True)
@@ -193,18 +198,20 @@ def _frequencies(d: int, theta: float, scaling: Mapping[str, Any]) -> tuple[torc
 
 
 def _rope(x: torch.Tensor, theta: float, style: str, scaling: Mapping[str, Any] | None = None,
-          freq: torch.Tensor | None = None) -> torch.Tensor:
+          freq: torch.Tensor | None = None, position: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate ``x`` ``[batch, seq, heads, d]``: pair ``i`` of position ``p`` by ``p * f_i``
     (:func:`_frequencies`: ``theta**(-2i/d)`` unless scaled), the result times the scaling's gain;
-    or by ``p * freq[i]`` when the frequencies are given (DeepSeek's MLA restates its own YaRN)."""
+    or by ``p * freq[i]`` when the frequencies are given (DeepSeek's MLA restates its own YaRN).
+    ``p`` is the token's index in the window, or ``position[b, s]`` when given (packed documents)."""
     seq, d = x.shape[1], x.shape[3]
     if freq is None:
         freq, gain = _frequencies(d, theta, scaling or {})
     else:
         gain = 1.0
-    angle = torch.outer(torch.arange(seq, dtype=torch.float64), freq)
-    cos = (gain * angle.cos()).to(x.dtype)[None, :, None, :]
-    sin = (gain * angle.sin()).to(x.dtype)[None, :, None, :]
+    p = torch.arange(seq, dtype=torch.float64)[None, :] if position is None else position.to(torch.float64)
+    angle = p[..., None] * freq  # [batch or 1, seq, d/2]
+    cos = (gain * angle.cos()).to(x.dtype)[:, :, None, :]
+    sin = (gain * angle.sin()).to(x.dtype)[:, :, None, :]
     if style == "interleaved":
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
@@ -212,7 +219,29 @@ def _rope(x: torch.Tensor, theta: float, style: str, scaling: Mapping[str, Any] 
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
-def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch: Architecture) -> torch.Tensor:
+def _documents(tokens: torch.Tensor, eos: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Who may attend to whom, ``[batch, 1, seq(query), seq(key)]`` (True: masked out), and each
+    token's RoPE position ``[batch, seq]`` (None: its index in the window).
+
+    Without ``eos``: a key after its query is masked. With it (packed documents): token ``i`` is
+    in document ``n`` when ``n`` EOS tokens come before it; a key is masked unless it is in the
+    query's document and not after it, and a token's position counts the earlier tokens of its
+    document.
+    """
+    seq = tokens.shape[1]
+    later = torch.ones(seq, seq, dtype=torch.bool).triu(1)  # [query, key]: the key comes after
+    if eos is None:
+        return later[None, None], None
+    ends = (tokens == eos).long()
+    document = ends.cumsum(1) - ends  # EOS tokens strictly before each token
+    same = document[:, :, None] == document[:, None, :]  # [batch, query, key]
+    earlier = ~later & ~torch.eye(seq, dtype=torch.bool)
+    position = (same & earlier[None]).sum(-1)
+    return (~same | later[None])[:, None], position
+
+
+def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch: Architecture,
+               masked: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
     bsz, seq, _ = x.shape
     d = arch.head_dim
     q = (x @ w[prefix + "wq.weight"].T).view(bsz, seq, -1, d)
@@ -222,12 +251,12 @@ def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, arch
         q = _rms_norm(q, w[prefix + "q_norm.weight"], arch.norm_eps)
         k = _rms_norm(k, w[prefix + "k_norm.weight"], arch.norm_eps)
     scaling = dict(arch.rope_scaling)
-    q, k = _rope(q, arch.rope_theta, arch.rope, scaling), _rope(k, arch.rope_theta, arch.rope, scaling)
+    q = _rope(q, arch.rope_theta, arch.rope, scaling, position=position)
+    k = _rope(k, arch.rope_theta, arch.rope, scaling, position=position)
     group = q.shape[2] // k.shape[2]  # query head h reads key/value head h // group
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, seq, -1)
     return out @ w[prefix + "wo.weight"].T
 
@@ -249,7 +278,7 @@ def _yarn_inv_freq(d: int, theta: float, yarn: tuple[float, int, float, float, f
 
 
 def _latent_attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str,
-                      arch: Architecture) -> torch.Tensor:
+                      arch: Architecture, masked: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
     """DeepSeek-V3's multi-head latent attention on ``x`` ``[batch, seq, dim]``, causal.
 
     ``q = wq x`` (or ``wq_b rms(wq_a x)``), per head ``[q_nope, q_rope]``; ``wkv_a x = [c, k_rope]``
@@ -272,15 +301,14 @@ def _latent_attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: st
     kv = kv.view(bsz, seq, -1, nope + m.v_head_dim)
     k_nope, v = kv[..., :nope], kv[..., nope:]
     freq = None if m.yarn is None else _yarn_inv_freq(rope_d, arch.rope_theta, m.yarn)
-    q_rope = _rope(q[..., nope:], arch.rope_theta, "interleaved", freq=freq)
-    k_rope = _rope(k_rope[:, :, None, :], arch.rope_theta, "interleaved", freq=freq)[:, :, 0, :]
+    q_rope = _rope(q[..., nope:], arch.rope_theta, "interleaved", freq=freq, position=position)
+    k_rope = _rope(k_rope[:, :, None, :], arch.rope_theta, "interleaved", freq=freq, position=position)[:, :, 0, :]
     scale = (nope + rope_d) ** -0.5
     if m.yarn is not None and m.yarn[0] > 1 and m.yarn[4]:
         scale *= (0.1 * m.yarn[4] * math.log(m.yarn[0]) + 1.0) ** 2
     scores = (torch.einsum("bqhd,bkhd->bhqk", q[..., :nope], k_nope)
               + torch.einsum("bqhd,bkd->bhqk", q_rope, k_rope)) * scale
-    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bsz, seq, -1)
     return out @ w[prefix + "wo.weight"].T
 
@@ -391,12 +419,13 @@ def forward(weights: Mapping[str, torch.Tensor], tokens: torch.Tensor, arch: Arc
     and each layer's tokens per expert are appended to ``expert_counts`` when given.
     """
     n_layers = _check_names(weights, arch)
+    masked, position = _documents(tokens, arch.document_eos)
     h = weights["tok_embeddings.weight"][tokens]
     for i in range(n_layers):
         p = f"layers.{i}."
         attend = _attention if arch.mla is None else _latent_attention
         h = h + attend(_rms_norm(h, weights[p + "attention_norm.weight"], arch.norm_eps), weights,
-                       p + "attention.", arch)
+                       p + "attention.", arch, masked, position)
         x = _rms_norm(h, weights[p + "ffn_norm.weight"], arch.norm_eps)
         if arch.moe is not None and i >= arch.dense_layers:
             out, counts = _moe(x, weights, p + "moe.", arch.moe, weights.get(p + BIAS))
@@ -473,7 +502,9 @@ def train(weights: Mapping[str, torch.Tensor], batches: Iterable[tuple[torch.Ten
                                          decay_type=decay_type)
         counts: list[torch.Tensor] = []
         logits = forward(params, tokens, arch, counts)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if arch.document_eos is not None:  # no prediction across a document boundary (upstream #4075)
+            labels = torch.where(tokens == arch.document_eos, torch.full_like(labels, -100), labels)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         loss.backward()
         grads = [p.grad for p in params.values() if p.grad is not None]
         norm = torch.sqrt(sum((g * g).sum() for g in grads))
@@ -631,9 +662,12 @@ def run_reference(job_config: JobConfig, *, global_batch: int,
     weights = initial_weights(cfg.model.name, cfg.model.flavor, seed, vocab)
     if cfg.checkpoint.enable and cfg.checkpoint.initial_load_path:
         weights = checkpoint_weights(cfg.checkpoint.initial_load_path, weights)
+    arch = architecture(cfg, model_config)
+    if getattr(model_config, "attn_mask_type", "causal") == "block_causal":
+        arch = dataclasses.replace(arch, document_eos=int(tokenizer.eos_id))
     return train(
         weights, global_batches(cfg, global_batch, seed, tokenizer),
-        architecture(cfg, model_config), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=betas,
+        arch, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=betas,
         warmup_steps=cfg.lr_scheduler.warmup_steps,
         total_steps=cfg.lr_scheduler.total_steps if cfg.lr_scheduler.total_steps is not None else cfg.training.steps,
         min_lr_factor=cfg.lr_scheduler.min_lr_factor, max_norm=float(cfg.training.max_norm), dtype=dtype,

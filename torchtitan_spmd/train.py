@@ -46,7 +46,7 @@ from torchtitan_spmd.data import build_dataloader, build_tokenizer, check_vocab_
 from torchtitan_spmd.distributed import comm
 from torchtitan_spmd.distributed._mesh_compat import local_tensor_mode_active
 from torchtitan_spmd.distributed.apply_plan import apply_plan
-from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions
+from torchtitan_spmd.distributed.inputs import document_positions, prepare_inputs, prepare_positions
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 from torchtitan_spmd.distributed.representation import get_representation
 from torchtitan_spmd.distributed.utils import (
@@ -85,6 +85,7 @@ from torchtitan_spmd.techniques.loss import (
     cross_entropy_loss,
     global_loss_value,
     global_token_count,
+    mask_document_boundaries,
 )
 from torchtitan_spmd.techniques.moe import (
     ExpertLoad,
@@ -252,6 +253,21 @@ class JobSetup:
     local_rows: int
 
 
+def packed_documents_eos(model_config: Any, tokenizer: Any, job_config: JobConfig) -> int | None:
+    """The EOS id that splits packed documents when the model's ``attn_mask_type`` is
+    ``"block_causal"`` (the tokenizer's ``eos_id``), else None. ValueError when the tokenizer
+    has no EOS id (nothing would split the documents)."""
+    if getattr(model_config, "attn_mask_type", "causal") != "block_causal":
+        return None
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        raise ValueError(f"model {job_config.model.name}/{job_config.model.flavor} has attn_mask_type='block_causal', "
+                         f"which splits documents at the tokenizer's EOS token, but the tokenizer of "
+                         f"hf_assets_path={job_config.hf_assets_path!r} has no eos_id: name an EOS token in its "
+                         "tokenizer_config.json, or use a flavour with attn_mask_type='causal'.")
+    return int(eos)
+
+
 def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
     """Every check of ``job_config`` that can fail at setup, in one phase, before any mesh or
     model is built: each raises ``ValueError``/``TypeError`` naming the field.
@@ -277,6 +293,7 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
         max_seq_len=job_config.training.seq_len)
     check_vocab_size(model_config.vocab_size, tokenizer, model=f"{job_config.model.name}/{job_config.model.flavor}")
+    packed_documents_eos(model_config, tokenizer, job_config)  # block_causal needs the tokenizer's EOS
     # The runtime of the backend exists (its meshes are resolved when first used, after build_mesh).
     representation = get_representation(par.spmd_backend)(parallel_dims)
     validate_context_parallel(job_config)  # a bad CP value is named whatever the torch
@@ -462,6 +479,8 @@ class Trainer:
         self.gradient_accumulation_steps = setup.gradient_accumulation_steps
         #: Sequences of one gradient-accumulation microbatch on this data-parallel rank (JobSetup.local_rows).
         self.local_rows = setup.local_rows
+        #: block_causal: the EOS id that splits packed documents (None: causal).
+        self.packed_documents_eos = packed_documents_eos(self.model_config, self.tokenizer, job_config)
 
         # 3. the meshes; torch creates their groups with its default timeout (30 min): every
         # group gets comm.init_timeout_seconds until the first step is done
@@ -689,10 +708,18 @@ class Trainer:
                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None]]:
         """This rank's rows of a batch (on the device) as the model takes them, in ``n`` microbatches:
         under context parallelism this rank's slice of every sequence and its RoPE positions
-        (None without CP), then each microbatch's tokens and labels in the backend's form.
+        (None without CP), then each microbatch's tokens and labels in the backend's form. With
+        packed documents (``attn_mask_type="block_causal"``) the positions are per document and
+        the label after each EOS is ignored.
         The training step and the validator both go through here."""
         rep = self.representation
         positions: list[torch.Tensor | None] = [None] * n
+        if self.packed_documents_eos is not None:
+            # block_causal: each token's position in its own document (RoPE and the attention
+            # mask, every stage), and the label across each document boundary ignored (#4075)
+            eos = self.packed_documents_eos
+            labels = mask_document_boundaries(labels, tokens, eos)
+            positions = [prepare_positions(p, rep) for p in document_positions(tokens, eos).chunk(n)]
         if self.context_parallel is not None:  # this rank's slice of every sequence, and its positions
             tokens, labels, cp_positions = self.context_parallel.shard_batch(tokens, labels)
             positions = [prepare_positions(p, rep) for p in cp_positions.chunk(n)]

@@ -172,7 +172,12 @@ def test_rope_buffers_non_persistent() -> None:
 def test_forward_shape_and_dtype(flavor: str) -> None:
     model = build_model(flavor, seed=0)
     tokens = tokens_for(model, 2, 17)
-    logits = model(tokens)
+    if model.config.attn_mask_type == "block_causal":  # packed documents: per-document positions
+        from torchtitan_spmd.distributed.inputs import document_positions
+
+        logits = model(tokens, positions=document_positions(tokens, 257))
+    else:
+        logits = model(tokens)
     assert logits.shape == (2, 17, model.config.vocab_size)
     assert logits.dtype == torch.float32
     assert torch.isfinite(logits).all()

@@ -22,7 +22,8 @@ from torchtitan_spmd.models import (
 
 #: family -> (model class name, config_registry functions)
 JOBS = {
-    "llama3": ("Transformer", ("llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel", "llama3_tiny")),
+    "llama3": ("Transformer", ("llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel",
+                               "llama3_debugmodel_flex_attn", "llama3_tiny")),
     "qwen3": ("Qwen3Model", ("qwen3_0_6b", "qwen3_14b", "qwen3_1_7b", "qwen3_30b_a3b", "qwen3_32b",
                              "qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny")),
     "deepseek_v3": ("DeepSeekV3Model", ("deepseek_v3_16b", "deepseek_v3_671b", "deepseek_v3_debugmodel",
@@ -48,8 +49,8 @@ def test_unknown_family_and_flavor_name_the_valid_ones() -> None:
                                          r"Did you mean 'llama3'\?"):
         get_model_spec("llama")
     with pytest.raises(ValueError, match=r"unknown model.flavor 'debug' for model.name='qwen3'; "
-                                         r"valid flavors: 0.6B, 1.7B, 14B, 30B-A3B, 32B, debugmodel, debugmodel_moe, "
-                                         r"moe_tiny, tiny"):
+                                         r"valid flavors: 0.6B, 1.7B, 14B, 30B-A3B, 32B, debugmodel, debugmodel_flex, "
+                                         r"debugmodel_moe, moe_tiny, tiny, tiny_block_causal"):
         get_model_spec("qwen3").model_config("debug")
 
 

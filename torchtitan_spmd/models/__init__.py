@@ -76,7 +76,8 @@ class ModelSpec:
       FSDP unit, an activation-checkpointing region, a compile unit and the PP split's
       grain), ``norm`` and ``output`` (logits ``[batch, seq, vocab]`` out), in that order:
       :meth:`part_names`. ``forward(tokens, positions=None)``: ``positions`` are the RoPE
-      positions of the tokens, given under context parallelism.
+      positions of the tokens, given under context parallelism, and per document with
+      ``attn_mask_type="block_causal"`` (a config field; the attention's mask comes from them).
     - **Initial values**: ``init_weights(seed)`` and ``initial_value(fqn, shape, seed)``,
       the full, seeded value of any parameter or buffer, so that every rank can initialise
       its own shard and every layout starts from the same weights

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
 
 __all__ = [
+    "ATTN_MASK_TYPES",
     "INIT_STD",
     "ZERO_INIT",
     "Decoder",
@@ -49,6 +50,9 @@ __all__ = [
     "RotaryEmbedding",
     "ScaledDotProductAttention",
     "VocabShardedEmbedding",
+    "block_causal_mask",
+    "check_attn_mask_type",
+    "check_attn_mask_value",
     "check_positive_ints",
     "check_seq_len",
     "check_tp_divisible",
@@ -71,6 +75,34 @@ def check_positive_ints(owner: str, values: Mapping[str, object]) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+#: The values of a family config's ``attn_mask_type`` (upstream's field, before #2761 renamed it
+#: ``mask_type`` and a0c831c49 made every language model document-masked): ``causal`` (the whole
+#: window is one sequence) and ``block_causal`` (packed documents, split after each EOS token,
+#: attend only within themselves; their RoPE positions restart at 0).
+ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
+
+
+def check_attn_mask_value(owner: str, value: object) -> None:
+    """Raise ValueError naming ``owner.attn_mask_type`` for a value outside :data:`ATTN_MASK_TYPES`."""
+    if value not in ATTN_MASK_TYPES:
+        raise ValueError(f"{owner}.attn_mask_type must be one of {', '.join(map(repr, ATTN_MASK_TYPES))}, "
+                         f"got {value!r}")
+
+
+def check_attn_mask_type(config: object, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ValueError for ``attn_mask_type="block_causal"`` under context parallelism.
+
+    Torch's ring attention (what CP runs) takes no mask: each CP rank's chunk would attend
+    across documents.
+    """
+    if getattr(config, "attn_mask_type", "causal") == "block_causal" and parallel_dims.cp_enabled:
+        raise ValueError(
+            f"model {job_config.model.name}/{job_config.model.flavor} has attn_mask_type='block_causal', which "
+            f"context parallelism cannot run (parallelism.context_parallel_degree={parallel_dims.cp}: torch's "
+            f"ring attention takes no mask): train it without CP (FSDP, TP, PP), or use a flavour with "
+            f"attn_mask_type='causal'.")
 
 
 def check_seq_len(max_seq_len: int, job_config: JobConfig) -> None:
@@ -151,8 +183,24 @@ def _contiguous(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
+def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The block-causal attention mask ``[batch, 1, seq, seq]`` (bool, True: attend) of tokens
+    whose per-document positions are ``positions`` ``[batch, seq]``: a document starts where its
+    position is 0 (as upstream's a0c831c49 reads document starts from the positions), and a
+    query attends to the keys of its own document at or before it."""
+    doc = torch.cumsum(positions == 0, dim=1)
+    same = doc[:, None, :, None] == doc[:, None, None, :]
+    seq = positions.shape[1]
+    return same & torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+
+
 class ScaledDotProductAttention(nn.Module):
     """Causal grouped-query SDPA over heads-first ``[batch, heads, seq, head_dim]`` tensors.
+
+    Given the tokens' per-document ``positions`` (``attn_mask_type="block_causal"``), the
+    mask is :func:`block_causal_mask` instead, built from them inside the kernel's local
+    region (so every backend sees this rank's plain local positions): SDPA with an explicit
+    boolean mask, on every device (FlexAttention has no CPU backward).
 
     A module of its own so a sharding plan can declare it a local region (DTensor
     has no sharding rule for it on every device), and so context parallelism can
@@ -161,8 +209,10 @@ class ScaledDotProductAttention(nn.Module):
     ``n_kv_heads``, not ``n_heads``.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal mask) v`` (``is_causal``: no mask tensor).
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal mask) v`` (``is_causal``: no mask tensor), or with
+        the block-causal mask of ``positions`` ``[batch, seq]`` when given.
 
         ``k``/``v`` may have fewer heads than ``q`` (a divisor): query head ``h`` attends
         with kv head ``h // n_rep``.
@@ -175,6 +225,8 @@ class ScaledDotProductAttention(nn.Module):
                 # The CPU flash kernel's GQA backward returns key/value gradients in a layout
                 # that a later DTensor ``view`` in backward (full_dtensor) rejects.
                 t.register_hook(_contiguous)
+        if positions is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(positions), enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
@@ -266,9 +318,11 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` are ``[seq, head_dim//2]``
-        or, per token, ``[batch, seq, head_dim//2]``."""
+        or, per token, ``[batch, seq, head_dim//2]``; ``positions`` (block-causal only): the
+        tokens' per-document positions, from which the kernel builds its mask."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -276,7 +330,8 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, rope_cos, rope_sin), self.rope(k, rope_cos, rope_sin)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.sdpa(*qkv) if positions is None else self.sdpa(*qkv, positions)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -315,9 +370,12 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` ``[batch, seq, dim]``."""
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` ``[batch, seq, dim]`` (``positions``: block-causal only, the
+        tokens' per-document positions for the attention's mask)."""
+        args = (rope_cos, rope_sin) if positions is None else (rope_cos, rope_sin, positions)
+        h = x + self.attention(self.attention_norm(x), *args)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -397,8 +455,17 @@ class Decoder(nn.Module):
 
         ``positions``: each token's index in its sequence (int64, ``tokens``' shape), for
         RoPE; None means ``0 .. seq-1``. Context parallelism passes them: a rank then holds
-        a slice of every sequence, not its start.
+        a slice of every sequence, not its start. With ``attn_mask_type="block_causal"`` they
+        are required: each token's index in its own document
+        (:func:`~torchtitan_spmd.distributed.inputs.document_positions`), which both rotate
+        RoPE and give every attention its block-causal mask.
         """
+        block_causal = getattr(self.config, "attn_mask_type", "causal") == "block_causal"
+        if block_causal and positions is None:
+            raise ValueError(
+                "attn_mask_type='block_causal': the model needs the tokens' per-document positions, "
+                "forward(tokens, positions=document_positions(tokens, eos_id)) "
+                "(torchtitan_spmd.distributed.inputs.document_positions); the trainer passes them.")
         if positions is None and self.tok_embeddings is None:
             # A later pipeline stage: ``tokens`` is an activation, sequence-sharded under
             # sequence parallelism, so its length is not the sequence's. The trainer sizes
@@ -414,8 +481,9 @@ class Decoder(nn.Module):
         # A pipeline stage's part (techniques/pipeline_parallel.py) lacks the modules other
         # stages hold: without the embedding ``tokens`` is the previous stage's activation.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        extra = (positions,) if block_causal else ()
         for layer in self.layers.values():
-            h = layer(h, rope_cos, rope_sin)
+            h = layer(h, rope_cos, rope_sin, *extra)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h).float() if self.output is not None else h

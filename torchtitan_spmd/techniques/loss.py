@@ -16,6 +16,12 @@ Under gradient accumulation the denominator is the count over the whole global
 batch (every microbatch of every data-parallel rank, :func:`global_token_count`),
 passed in as ``token_count``: the microbatch losses then add up to the global mean,
 and so do their gradients.
+
+Packed documents (``attn_mask_type="block_causal"``): :func:`mask_document_boundaries` ignores
+the label of each EOS token, the next document's first token, as upstream HEAD (#4075) does
+(there the dataset shifts inputs and labels within each document, so no input predicts across
+a boundary; here the EOS stays an input, attends within its own document, and its label is
+ignored: the same pairs count).
 """
 
 from __future__ import annotations
@@ -36,11 +42,19 @@ __all__ = [
     "cross_entropy_per_token",
     "global_loss_value",
     "global_token_count",
+    "mask_document_boundaries",
     "vocab_parallel_cross_entropy",
 ]
 
 #: Labels equal to this are ignored (torch's default).
 IGNORE_INDEX = -100
+
+
+def mask_document_boundaries(labels: torch.Tensor, tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """``labels`` with :data:`IGNORE_INDEX` wherever the input token is ``eos_id`` (a new tensor):
+    the prediction that crosses a document boundary, from one document's EOS to the next one's
+    first token, is not trained (upstream #4075)."""
+    return labels.masked_fill(tokens == eos_id, IGNORE_INDEX)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

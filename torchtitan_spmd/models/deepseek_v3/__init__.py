@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible
+from torchtitan_spmd.models.common import check_attn_mask_type, check_seq_len, check_tp_divisible
 from torchtitan_spmd.models.rope import RopeScaling
 
 from .model import (
@@ -79,6 +79,7 @@ def validate(config: DeepSeekV3Config, job_config: JobConfig, parallel_dims: Par
     """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config``
     evenly (heads, the dense and expert widths, the shared experts' width, the vocabulary)."""
     check_seq_len(config.max_seq_len, job_config)
+    check_attn_mask_type(config, job_config, parallel_dims)
     sizes = {"model n_heads": config.n_heads, "model hidden_dim": config.hidden_dim,
              "vocab size": config.vocab_size}
     if config.moe_enabled:

@@ -58,6 +58,7 @@ from torchtitan_spmd.models.common import (
     DecoderBlock,
     RMSNorm,
     ScaledDotProductAttention,
+    check_attn_mask_value,
     check_positive_ints,
 )
 from torchtitan_spmd.models.llama3.model import apply_rotary_emb
@@ -97,6 +98,8 @@ class DeepSeekV3Config:
             (``moe_intermediate_size``), n_shared_experts, score_func, route_norm
             (``norm_topk_prob``), route_scale (``routed_scaling_factor``), n_group, topk_group,
             load_balance_coeff (the expert bias' step; None: no bias): the MoE blocks'.
+        attn_mask_type: ``"causal"`` or ``"block_causal"`` (packed documents; see
+            :data:`~torchtitan_spmd.models.common.ATTN_MASK_TYPES`).
     """
 
     dim: int = 256
@@ -124,6 +127,7 @@ class DeepSeekV3Config:
     n_group: int = 1
     topk_group: int = 1
     load_balance_coeff: float | None = 1e-3
+    attn_mask_type: str = "causal"
 
     @property
     def qk_head_dim(self) -> int:
@@ -146,6 +150,7 @@ class DeepSeekV3Config:
 
     def __post_init__(self) -> None:
         owner = "DeepSeekV3Config"
+        check_attn_mask_value(owner, self.attn_mask_type)
         check_positive_ints(owner, {n: getattr(self, n) for n in (
             "dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "hidden_dim")})
@@ -226,9 +231,11 @@ class LatentAttention(nn.Module):
         self.softmax_scale = yarn_softmax_scale(c)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Attend over ``x`` ``[batch, seq, dim]``; ``rope_cos``/``rope_sin`` ``[seq, qk_rope_head_dim // 2]``
-        or per token ``[batch, seq, qk_rope_head_dim // 2]``.
+        or per token ``[batch, seq, qk_rope_head_dim // 2]``; ``positions`` (block-causal only): the
+        tokens' per-document positions, the kernel's mask.
 
         The body is the plan's local region (as an MoE block): it reads every weight's local value
         (:func:`~torchtitan_spmd.models.moe.local_weight`). Under tensor parallelism the
@@ -261,7 +268,8 @@ class LatentAttention(nn.Module):
             v = F.pad(v, (0, pad))
         elif pad < 0:  # zero query/key columns change no score
             q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = (self.sdpa(*qkv) if positions is None else self.sdpa(*qkv, positions)).transpose(1, 2)
         out = out[..., : self.v_head_dim]
         return F.linear(out.reshape(bs, seqlen, -1), local_weight(self.wo.weight))
 

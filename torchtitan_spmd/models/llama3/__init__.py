@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible, check_weight_tying
+from torchtitan_spmd.models.common import (
+    check_attn_mask_type,
+    check_seq_len,
+    check_tp_divisible,
+    check_weight_tying,
+)
 from torchtitan_spmd.models.rope import RopeScaling
 
 from .model import (
@@ -70,10 +76,16 @@ FLAVORS: dict[str, LlamaConfig] = {
     ),
 }
 
+#: Packed documents (``attn_mask_type="block_causal"``): upstream's ``debugmodel_flex_attn``
+#: (FlexAttention there; SDPA with a mask here, on every device) and a tiny one for tests.
+FLAVORS["debugmodel_flex_attn"] = replace(FLAVORS["debugmodel"], attn_mask_type="block_causal")
+FLAVORS["tiny_block_causal"] = replace(FLAVORS["tiny"], attn_mask_type="block_causal")
+
 
 def validate(config: LlamaConfig, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config`` evenly."""
     check_seq_len(config.max_seq_len, job_config)
+    check_attn_mask_type(config, job_config, parallel_dims)
     check_weight_tying(config, job_config, parallel_dims)
     check_tp_divisible({
         "model n_heads": config.n_heads,

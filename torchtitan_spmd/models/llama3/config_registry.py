@@ -5,12 +5,18 @@ from __future__ import annotations
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.models import cpu_job_config, upstream_recipe
 
-__all__ = ["llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel", "llama3_tiny"]
+__all__ = ["llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel", "llama3_debugmodel_flex_attn", "llama3_tiny"]
 
 
 def llama3_debugmodel() -> JobConfig:
     """The 6.07M-parameter debug model: local batch 4 x 256 tokens, lr 8e-4, 10 steps."""
     return cpu_job_config("llama3", "debugmodel", local_batch_size=4, seq_len=256, lr=8e-4)
+
+
+def llama3_debugmodel_flex_attn() -> JobConfig:
+    """:func:`llama3_debugmodel` on packed documents (upstream's name): flavour ``debugmodel_flex_attn``,
+    ``attn_mask_type="block_causal"`` (each document attends only within itself)."""
+    return cpu_job_config("llama3", "debugmodel_flex_attn", local_batch_size=4, seq_len=256, lr=8e-4)
 
 
 def llama3_tiny() -> JobConfig:

@@ -26,6 +26,7 @@ from torchtitan_spmd.models.common import (
     Decoder,
     DecoderBlock,
     GroupedQueryAttention,
+    check_attn_mask_value,
     check_positive_ints,
 )
 from torchtitan_spmd.models.rope import NO_SCALING, RopeScaling
@@ -60,6 +61,9 @@ class LlamaConfig:
         enable_weight_tying: the output projection uses the embedding's weight (upstream's
             field; transformers' ``tie_word_embeddings``). Refused with pipeline parallelism.
         max_seq_len: number of rows of the RoPE tables (longest sequence).
+        attn_mask_type: ``"causal"`` (default: the window is one sequence) or ``"block_causal"``
+            (upstream's field: packed documents, split after each EOS token, attend only within
+            themselves and their RoPE positions restart; the boundary token's loss is ignored).
     """
 
     dim: int = 256
@@ -74,8 +78,10 @@ class LlamaConfig:
     max_seq_len: int = 2048
     rope_scaling: RopeScaling = NO_SCALING
     enable_weight_tying: bool = False
+    attn_mask_type: str = "causal"
 
     def __post_init__(self) -> None:
+        check_attn_mask_value("LlamaConfig", self.attn_mask_type)
         if not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
         check_positive_ints("LlamaConfig", {

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from torchtitan_spmd.models import ModelSpec
-from torchtitan_spmd.models.common import check_seq_len, check_tp_divisible, check_weight_tying
+from torchtitan_spmd.models.common import (
+    check_attn_mask_type,
+    check_seq_len,
+    check_tp_divisible,
+    check_weight_tying,
+)
 
 from .model import Qwen3Attention, Qwen3Block, Qwen3Config, Qwen3Model, apply_rotary_emb_half
 from .plan import qwen3_plan
@@ -83,12 +89,18 @@ FLAVORS: dict[str, Qwen3Config] = {
 #: The flavours with mixture-of-experts blocks (named in setup errors).
 MOE_FLAVORS: tuple[str, ...] = tuple(name for name, c in FLAVORS.items() if c.moe_enabled)
 
+#: Packed documents (``attn_mask_type="block_causal"``): upstream's ``debugmodel_flex``
+#: (FlexAttention there; SDPA with a mask here) and a tiny one for tests.
+FLAVORS["debugmodel_flex"] = replace(FLAVORS["debugmodel"], attn_mask_type="block_causal")
+FLAVORS["tiny_block_causal"] = replace(FLAVORS["tiny"], attn_mask_type="block_causal")
+
 
 def validate(config: Qwen3Config, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Raise ValueError when ``training.seq_len`` does not fit or tensor parallelism cannot shard ``config``
     evenly. (The MoE flavours run every parallelism here but EP, whose degree ``ParallelDims`` and the
     trainer reject, and pipeline parallelism with the other techniques.)"""
     check_seq_len(config.max_seq_len, job_config)
+    check_attn_mask_type(config, job_config, parallel_dims)
     check_weight_tying(config, job_config, parallel_dims)
     sizes = {
         "model n_heads": config.n_heads,

@@ -31,6 +31,7 @@ from torchtitan_spmd.models.common import (
     Decoder,
     DecoderBlock,
     GroupedQueryAttention,
+    check_attn_mask_value,
     check_positive_ints,
 )
 from torchtitan_spmd.models.moe import MoE
@@ -58,6 +59,9 @@ class Qwen3Config:
         enable_weight_tying: the output projection uses the embedding's weight (upstream's
             field; transformers' ``tie_word_embeddings``). Refused with pipeline parallelism.
         max_seq_len: number of rows of the RoPE tables (longest sequence).
+        attn_mask_type: ``"causal"`` (default: the window is one sequence) or ``"block_causal"``
+            (upstream's field: packed documents, split after each EOS token, attend only within
+            themselves and their RoPE positions restart; the boundary token's loss is ignored).
         num_experts: 0 for the dense model; otherwise every block's feed-forward is a mixture
             of this many experts (:class:`~torchtitan_spmd.models.moe.MoE`).
         top_k: experts per token (MoE; at most ``num_experts``).
@@ -89,6 +93,7 @@ class Qwen3Config:
     load_balance_coeff: float | None = 1e-3
     rope_scaling: RopeScaling = NO_SCALING
     enable_weight_tying: bool = False
+    attn_mask_type: str = "causal"
 
     @property
     def moe_enabled(self) -> bool:
@@ -96,6 +101,7 @@ class Qwen3Config:
         return self.num_experts > 0
 
     def __post_init__(self) -> None:
+        check_attn_mask_value("Qwen3Config", self.attn_mask_type)
         if not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"Qwen3Config.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
         self._check_moe()
