@@ -18,8 +18,9 @@ For each upstream commit (b5bcd76, August: surface ``august``; a0c831c49, June: 
         [--files test_parallel_dims.py] [-k EXPR] [--sides library]
 
 ``--deps``: a ``pip install --target`` folder with upstream's data dependencies (grain,
-einops) and ``expecttest`` (torch's ``DTensorTestBase`` needs it; its classes spawn 4 or 8
-ranks per test: minutes on 2 cores). Prints pytest's summary per run and a table of counts.
+einops; a0c831c49's trainer also imports ``torchdata``: install it with ``--no-deps``, or
+pip pulls another torch) and ``expecttest`` (torch's ``DTensorTestBase`` needs it; its
+classes spawn 4 or 8 ranks per test: minutes on 2 cores). Prints pytest's summary per run and a table of counts.
 """
 
 from __future__ import annotations
