@@ -6,6 +6,7 @@ step, every parameter's step-1 gradient norm within 1e-5 (:mod:`grad_probe`: the
 annotated shards reduced over the groups they are sharded on), the expert biases after every step,
 and the loss going down:
 
+- FSDP 4, and FSDP 4 x EP 4;
 - FSDP 2 x TP 2 with selective activation checkpointing (MLA's heads and the experts sharded over ``tp``);
 - FSDP 2 x TP 2 x EP 4 (the typed exchange over ``dp_shard x tp``; the routed output of each TP
   rank's token slice typed ``P`` on ``tp`` where the shared experts' output adds to it);
@@ -31,8 +32,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.backend("spmd_types")]
 
 STEPS = 2
 #: layout -> activation checkpointing mode
-CELLS = {"fsdp2_tp2": "selective", "fsdp2_tp2_ep4": "none", "hsdp2x2_ep2": "full", "pp2_fsdp2_ep2": "none",
-         "cp2_tp2_ep4": "none"}
+CELLS = {"fsdp4": "none", "fsdp2_tp2": "selective", "fsdp4_ep4": "none", "fsdp2_tp2_ep4": "none",
+         "hsdp2x2_ep2": "full", "pp2_fsdp2_ep2": "none", "cp2_tp2_ep4": "none"}
 
 
 def _train_typed(rank: int, world: int, cfg: Any) -> list[tuple[float, float, bool]]:
