@@ -88,6 +88,9 @@ def _skip_reason(report: pytest.TestReport) -> str:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         _SKIPS.append((report.nodeid, _skip_reason(report)))
+    for name, value in report.user_properties:
+        if name == "over_budget_s":
+            _OVER_BUDGET.append((report.nodeid, float(value)))
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -102,6 +105,12 @@ def unexpected_skips(skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _OVER_BUDGET:
+        lines = "\n".join(f"  {node}: {seconds:.1f} s" for node, seconds in _OVER_BUDGET)
+        print(f"\nFAILED: {len(_OVER_BUDGET)} test(s) took longer than the {TEST_BUDGET_S:.0f} s budget "
+              f"without a @pytest.mark.slow(reason=...) saying why (tests/conftest.py):\n{lines}")
+        if session.exitstatus in (0, 5):
+            session.exitstatus = 1
     bad = unexpected_skips(_SKIPS)
     if bad:
         lines = "\n".join(f"  {node}: {reason}" for node, reason in bad)
@@ -109,3 +118,81 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
               f"(a GPU, a torch version, tmpfs, the stack's prefix runs):\n{lines}")
         if session.exitstatus in (0, 5):  # passed, or nothing ran but skips
             session.exitstatus = 1
+
+
+# ----------------------------------------------------------------------------- the time budget
+#: A test whose call phase takes longer than this many seconds must carry
+#: ``@pytest.mark.slow(reason="...")`` saying why it cannot be cheaper; any other such test fails
+#: the session at its end, listed with its time. Generous on purpose (a loaded 2-core machine is
+#: slower than an idle one): it catches a test that trains for minutes, not a few seconds' noise.
+#: ``TORCHTITAN_SPMD_TEST_BUDGET_S`` overrides it; ``0`` turns the budget off (e.g. under a debugger).
+TEST_BUDGET_S = float(os.environ.get("TORCHTITAN_SPMD_TEST_BUDGET_S", "60"))
+#: When set to a path, every test appends one JSON line there: its id, backend, outcome, wall
+#: seconds and CPU seconds (this process plus the children it reaped: forked ranks, subprocesses)
+#: for set-up, call and tear-down. ``bench/suite_profile.py`` reads it.
+PROFILE_ENV = "TORCHTITAN_SPMD_TEST_PROFILE"
+_OVER_BUDGET: list[tuple[str, float]] = []
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def slow_reason(item: pytest.Item) -> str | None:
+    """The reason a test's ``slow`` marker gives, or None when it has none."""
+    marker = item.get_closest_marker("slow")
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+    return str(reason)
+
+
+slow_reason.__test__ = False  # type: ignore[attr-defined]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    unexplained = [item.nodeid for item in session.items
+                   if item.get_closest_marker("slow") is not None and not slow_reason(item).strip()]
+    if unexplained:
+        raise pytest.UsageError("pytest.mark.slow needs a reason=\"...\" (why the test cannot be "
+                                "cheaper): " + ", ".join(unexplained[:5]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return (yield)
+    import json
+    import time
+
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        record = {
+            "test": item.nodeid,
+            "backend": test_backend_of(item) or "common",
+            "multiproc": item.get_closest_marker("multiproc") is not None,
+            "slow": slow_reason(item),
+            "wall_s": round(time.monotonic() - wall, 4),
+            "cpu_s": round(_cpu_seconds() - cpu, 4),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            "stack_prefix": os.environ.get("STACK_CHECK_PREFIX", ""),
+        }
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if (call.when == "call" and report.passed and TEST_BUDGET_S > 0
+            and call.duration > TEST_BUDGET_S and slow_reason(item) is None):
+        # Carried on the report, so that under pytest-xdist the controller sees it too.
+        report.user_properties.append(("over_budget_s", call.duration))
+    return report

@@ -31,6 +31,36 @@ import torch.multiprocessing as mp
 __all__ = ["WorkerError", "run_forked", "run_isolated"]
 
 
+#: When set to a file path, every launch appends one JSON line to it: the test that launched
+#: (``PYTEST_CURRENT_TEST``), the function, the world size, and rank 0's seconds from fork to the
+#: end of its work and within ``fn`` alone. ``bench/suite_profile.py`` reads it.
+PROFILE_ENV = "TORCHTITAN_SPMD_LAUNCH_PROFILE"
+
+
+def _record_launch(fn: Callable[..., Any], world_size: int, wall_s: float, workdir: str) -> None:
+    """Append the launch's line to the profile file, when one is asked for."""
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return
+    import json
+
+    work_s = None
+    try:
+        with open(os.path.join(workdir, "rank0.work"), encoding="utf-8") as f:
+            work_s = float(f.read())
+    except (OSError, ValueError):
+        pass
+    line = json.dumps({
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+        "fn": getattr(fn, "__qualname__", repr(fn)),
+        "world_size": world_size,
+        "wall_s": round(wall_s, 4),
+        "work_s": None if work_s is None else round(work_s, 4),
+    })
+    with open(path, "a", encoding="utf-8") as f:  # one short append per launch
+        f.write(line + "\n")
+
+
 class WorkerError(RuntimeError):
     """A rank raised; the message holds that rank's traceback."""
 
@@ -60,9 +90,13 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        ready = time.monotonic()
         try:
             result: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
         finally:
+            if rank == 0 and os.environ.get(PROFILE_ENV):
+                with open(os.path.join(workdir, "rank0.work"), "w", encoding="utf-8") as f:
+                    f.write(str(time.monotonic() - ready))
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
         result = ("error", traceback.format_exc())
@@ -91,6 +125,7 @@ def run_forked(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     with tempfile.TemporaryDirectory(prefix="tts-mp-") as workdir:
+        launched = time.monotonic()
         ctx = mp.start_processes(
             _worker,
             args=(fn, world_size, workdir, args, timeout_s),
@@ -128,6 +163,7 @@ def run_forked(
                 results.append(None)
             else:
                 results.append(value)
+        _record_launch(fn, world_size, time.monotonic() - launched, workdir)
         if errors:
             raise WorkerError("\n".join(errors)) from failure
         return results
