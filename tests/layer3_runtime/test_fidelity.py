@@ -1,0 +1,184 @@
+"""Layer 3: upstream's validator, optimizer groups as torch takes them, and the non-finite guard's paths.
+
+- every validation reads the same batches (a fresh loader each time, as upstream's
+  ``validate()``), and ``validator.steps = -1`` is one pass over a file dataset;
+- a ``param_groups`` group with ``lr = 0`` (torch accepts it) keeps its parameters bit-identical
+  while the others train; torch's refusal of a group's kwargs is one line naming the group;
+- a non-finite step stops before the optimizer on each path: a non-finite gradient norm with a
+  finite loss, and under pipeline parallelism a non-finite loss on the last stage and a
+  non-finite gradient on the first (the loss path without PP: ``test_run_features.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_spmd.config import JobConfig, OptimizerConfig, ValidatorConfig
+from torchtitan_spmd.data import PackedTextIterator, Tokenizer, build_dataloader, load_documents
+from torchtitan_spmd.launcher import run_forked
+from torchtitan_spmd.tools.optimizer import build_optimizer
+
+
+def _job(folder: str, **over: Any) -> JobConfig:
+    cfg: dict[str, Any] = {
+        "job": {"dump_folder": folder},
+        "model": {"name": "llama3", "flavor": "tiny"},
+        "training": {"steps": 2, "local_batch_size": 2, "seq_len": 16, "device": "cpu",
+                     "mixed_precision_param": "float32"},
+        "activation_checkpoint": {"mode": "none"},
+        "optimizer": {"lr": 1e-2},
+        "lr_scheduler": {"warmup_steps": 1},
+        "parallelism": {"data_parallel_shard_degree": 2},
+        "debug": {"seed": 7},
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        cfg.setdefault(section, {})[name] = value
+    return JobConfig.from_dict(cfg)
+
+
+def _run(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        records = trainer.run()
+        return {"losses": [r.loss for r in records],
+                "validations": [(v.step, v.loss, v.tokens, v.steps) for v in trainer.validations]}
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------ the validator
+def test_every_validation_reads_the_same_batches(tmp_path: Path) -> None:
+    # lr 1e-12: the weights do not move (in fp32), so the same batches give the same loss
+    cfg = _job(str(tmp_path), training__steps=4, optimizer__lr=1e-12, validator__enable=True,
+               validator__freq=2, validator__steps=2)
+    out = run_forked(_run, 2, cfg, timeout_s=120)
+    for rank_out in out:
+        validations = rank_out["validations"]
+        assert [v[0] for v in validations] == [1, 2, 4], validations
+        assert all(v[2:] == (2 * 2 * 2 * 16, 2) for v in validations), validations  # 2 batches of 2 ranks x 2 x 16
+        losses = [v[1] for v in validations]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-7, abs=0) and losses[2] == pytest.approx(
+            losses[0], rel=1e-7, abs=0), losses
+
+
+#: 10 documents of 35 bytes: 37 tokens each (BOS + bytes + EOS), 370 in all; a global batch of
+#: 2 ranks x 2 rows x 17 tokens is 68: 5 whole batches (340 tokens), 30 left over.
+_DOCS = [f"document {i:02d} of the validation set!" + "." for i in range(10)]
+
+
+def _write_set(folder: Path) -> str:
+    assert all(len(d.encode()) == 35 for d in _DOCS)
+    path = folder / "val.txt"
+    path.write_text("\n".join(_DOCS) + "\n")
+    return str(path)
+
+
+def test_one_pass_reads_every_whole_global_batch_and_stops() -> None:
+    tok = Tokenizer()
+
+    def count(docs: list[str], rank: int) -> int:
+        it = PackedTextIterator(docs, tok, dp_rank=rank, dp_degree=2, local_batch_size=2, seq_len=16, infinite=False)
+        return sum(1 for _ in it)
+
+    assert [count(_DOCS, r) for r in (0, 1)] == [5, 5]  # 370 tokens: 5 batches of 68, 30 not read
+    # a pass that ends exactly on a batch's edge (2 documents of 68 tokens): 2 batches, then the end
+    exact = ["x" * 66, "y" * 66]
+    assert count(exact, 0) == 2
+    assert count(exact[:1], 0) == 1
+    assert count(["short"], 0) == 0
+    endless = PackedTextIterator(exact, tok, dp_rank=0, dp_degree=2, local_batch_size=2, seq_len=16)
+    assert sum(1 for _, _ in zip(range(7), endless, strict=False)) == 7
+    with pytest.raises(ValueError, match="dataloader.dataset='synthetic'.*endless stream"):
+        build_dataloader(dp_rank=0, dp_degree=1, local_batch_size=1, seq_len=8, seed=0, infinite=False)
+
+
+def test_steps_minus_one_needs_a_finite_dataset_and_names_why(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"validator.steps=-1 .* validator.dataloader.dataset='synthetic' "
+                                         "is an endless stream") as err:
+        ValidatorConfig.from_dict({"enable": True})
+    assert "\n" not in str(err.value)
+    path = _write_set(tmp_path)
+    assert ValidatorConfig.from_dict({"enable": True, "dataloader": {"dataset": "text", "dataset_path": path}}).steps == -1
+
+
+def test_steps_minus_one_validates_one_pass_of_a_five_batch_file(tmp_path: Path) -> None:
+    path = _write_set(tmp_path)
+    cfg = _job(str(tmp_path / "run"), validator__enable=True, validator__freq=1,
+               validator__dataloader={"dataset": "text", "dataset_path": path})
+    assert cfg.validator.steps == -1
+    assert len(load_documents("text", path)) == 10  # (and ``datasets`` imported once, before the ranks fork)
+    out = run_forked(_run, 2, cfg, timeout_s=60)  # an endless pass would end in the launcher's timeout
+    for rank_out in out:
+        validations = rank_out["validations"]
+        assert [(v[0], v[2], v[3]) for v in validations] == [(1, 5 * 4 * 16, 5), (2, 5 * 4 * 16, 5)], validations
+        assert all(math.isfinite(v[1]) for v in validations)
+
+
+def test_a_set_shorter_than_one_global_batch_is_a_setup_error(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("too short\n")
+    cfg = _job(str(tmp_path / "run"), validator__enable=True, parallelism__data_parallel_shard_degree=1,
+               validator__dataloader={"dataset": "text", "dataset_path": str(tmp_path / "tiny.txt")})
+    load_documents("text", str(tmp_path / "tiny.txt"))
+    with pytest.raises(Exception) as err:
+        run_forked(_run, 1, cfg, timeout_s=60)
+    assert "holds fewer tokens than one global validation batch" in str(err.value), str(err.value)[-2000:]
+
+
+# ------------------------------------------------------------------ optimizer groups as torch takes them
+FROZEN = [
+    {"pattern": r"tok_embeddings\.", "optimizer_name": "AdamW", "optimizer_kwargs": {"lr": 0.0}},
+    {"pattern": ".*", "optimizer_name": "AdamW", "optimizer_kwargs": {"lr": 1e-2}},
+]
+
+
+def _params_before_and_after(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+
+    def local() -> dict[str, torch.Tensor]:
+        return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                for n, p in trainer.model.named_parameters()}
+
+    try:
+        before = local()
+        trainer.run()
+        after = local()
+        return {n: torch.equal(before[n], after[n]) for n in before}
+    finally:
+        trainer.close()
+
+
+def test_a_group_at_lr_zero_keeps_its_parameters_bit_identical(tmp_path: Path) -> None:
+    cfg = _job(str(tmp_path), optimizer__param_groups=FROZEN)
+    for unchanged in run_forked(_params_before_and_after, 2, cfg, timeout_s=120):
+        frozen = {n: same for n, same in unchanged.items() if "tok_embeddings" in n}
+        trained = {n: same for n, same in unchanged.items() if "tok_embeddings" not in n}
+        assert frozen and all(frozen.values()), frozen
+        assert trained and not any(trained.values()), trained
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"lr": -1.0}, "Invalid learning rate: -1.0"),
+    ({"lr": 1e-3, "momentum": 0.9}, "unexpected keyword argument 'momentum'"),
+    ({"lr": 1e-3, "betas": (1.5, 0.9)}, "Invalid beta parameter at index 0"),
+])
+def test_torchs_refusal_of_a_group_is_one_line_naming_it(kwargs: dict[str, Any], says: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    config = OptimizerConfig.from_dict({"param_groups": [
+        {"pattern": "^0\\.", "optimizer_name": "Adam", "optimizer_kwargs": {"lr": 0.0}},
+        {"pattern": ".*", "optimizer_name": "AdamW", "optimizer_kwargs": kwargs}]})
+    with pytest.raises(ValueError) as err:
+        build_optimizer(model, config)
+    message = str(err.value)
+    assert message.startswith("optimizer.param_groups[1] (pattern '.*'): torch.optim.AdamW refuses"), message
+    assert says in message and "\n" not in message, message
