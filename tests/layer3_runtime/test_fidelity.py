@@ -182,3 +182,81 @@ def test_torchs_refusal_of_a_group_is_one_line_naming_it(kwargs: dict[str, Any],
     message = str(err.value)
     assert message.startswith("optimizer.param_groups[1] (pattern '.*'): torch.optim.AdamW refuses"), message
     assert says in message and "\n" not in message, message
+
+
+# ------------------------------------------------------------------ the non-finite guard's paths
+class _InfGradient(torch.autograd.Function):
+    """The identity forward; an infinite gradient backward (a finite loss, a non-finite norm)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad + float("inf")
+
+
+BAD_STEP = 2
+
+
+def _guarded(rank: int, world: int, cfg: JobConfig, module: str, plant: str, poisoned_rank: int) -> dict[str, Any]:
+    """Train to :data:`BAD_STEP`, whose forward of ``module`` on ``poisoned_rank`` is planted
+    (``loss``: its output + inf; ``grad``: an infinite gradient through it)."""
+    from torchtitan_spmd.train import NonFiniteStepError, Trainer
+
+    trainer = Trainer(cfg)
+    now = {"step": 0}
+
+    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if now["step"] != BAD_STEP or rank != poisoned_rank:
+            return out
+        return out + float("inf") if plant == "loss" else _InfGradient.apply(out)
+
+    hooked = [m.register_forward_hook(hook) for part in trainer.model_parts for name, m in part.named_modules()
+              if name.split(".")[-1] == module]
+
+    def local() -> dict[str, torch.Tensor]:
+        return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                for part in trainer.model_parts for n, p in part.named_parameters()}
+
+    def opt_steps() -> list[float]:
+        return [float(s["step"]) for s in trainer.optimizer.state.values()]
+
+    try:
+        before: dict[str, torch.Tensor] = {}
+        counts: list[float] = []
+        for step in range(1, BAD_STEP + 1):
+            now["step"] = step
+            if step == BAD_STEP:
+                before, counts = local(), opt_steps()
+            trainer.step(step)
+        return {"raised": None, "hooked": len(hooked)}
+    except NonFiniteStepError as err:
+        after = local()
+        return {"raised": str(err), "loss": err.loss, "grad_norm": err.grad_norm, "hooked": len(hooked),
+                "agreed": getattr(err, "agreed", False), "opt_steps_unchanged": counts == opt_steps(),
+                "unchanged": bool(before) and all(torch.equal(before[n], after[n]) for n in before)}
+    finally:
+        trainer.close()
+
+
+_PP = {"parallelism__pipeline_parallel_degree": 2, "parallelism__data_parallel_shard_degree": 1,
+       "parallelism__pipeline_parallel_schedule": "1F1B", "parallelism__pipeline_parallel_microbatch_size": 1}
+
+
+@pytest.mark.parametrize(("over", "module", "plant", "poisoned_rank", "finite_loss"), [
+    ({}, "tok_embeddings", "grad", 1, True),  # a finite loss, an infinite gradient norm
+    (_PP, "output", "loss", 1, False),  # PP: the loss is non-finite on the last stage only
+    (_PP, "tok_embeddings", "grad", 0, True),  # PP: an infinite gradient on the first stage only
+], ids=["grad-norm", "pp-loss-on-the-last-stage", "pp-grad-norm-on-the-first-stage"])
+def test_a_non_finite_step_stops_before_the_optimizer_on_each_path(
+        tmp_path: Path, over: dict[str, Any], module: str, plant: str, poisoned_rank: int, finite_loss: bool) -> None:
+    cfg = _job(str(tmp_path), **over)
+    per_rank = run_forked(_guarded, 2, cfg, module, plant, poisoned_rank, timeout_s=120)
+    assert per_rank[poisoned_rank]["hooked"] >= 1, per_rank
+    for rank, out in enumerate(per_rank):
+        assert out["raised"] is not None, (rank, out)  # every rank stops, also those that saw nothing
+        assert out["raised"].startswith(f"step {BAD_STEP}: the loss is ") and "\n" not in out["raised"], out
+        assert math.isfinite(out["loss"]) is finite_loss and not math.isfinite(out["grad_norm"]), (rank, out)
+        assert out["unchanged"] and out["opt_steps_unchanged"] and out["agreed"], (rank, out)
