@@ -260,3 +260,20 @@ def test_a_non_finite_step_stops_before_the_optimizer_on_each_path(
         assert out["raised"].startswith(f"step {BAD_STEP}: the loss is ") and "\n" not in out["raised"], out
         assert math.isfinite(out["loss"]) is finite_loss and not math.isfinite(out["grad_norm"]), (rank, out)
         assert out["unchanged"] and out["opt_steps_unchanged"] and out["agreed"], (rank, out)
+
+
+# ------------------------------------------------------------------ where a fork imports validate_cp_backend
+def test_validate_cp_backend_where_upstream_has_it() -> None:
+    """b5bcd76's ``torchtitan.distributed.context_parallel.validate_cp_backend``: CP needs a
+    backend that runs it (here also ``full_dtensor``); without CP every backend passes."""
+    from torchtitan_spmd.config import ParallelismConfig
+    from torchtitan_spmd.distributed.context_parallel import validate_cp_backend
+    from torchtitan_spmd.techniques import context_parallel
+
+    assert context_parallel.validate_cp_backend is validate_cp_backend  # one check, two import paths
+    partial = ParallelismConfig(spmd_backend="partial_dtensor", context_parallel_degree=2)
+    with pytest.raises(ValueError, match=r"spmd_backend='spmd_types', got 'partial_dtensor'") as err:
+        validate_cp_backend(partial)
+    assert "\n" not in str(err.value)
+    validate_cp_backend(ParallelismConfig(spmd_backend="spmd_types", context_parallel_degree=2))
+    validate_cp_backend(ParallelismConfig(spmd_backend="default", context_parallel_degree=1))

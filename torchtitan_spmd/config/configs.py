@@ -982,6 +982,14 @@ class CompileConfig(Section):
     """Upstream b5bcd76's place (#4045) of ``parallelism.enable_async_tensor_parallel``: one
     setting (setting the two differently is a setup error naming both); not implemented here."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # upstream b5bcd76's check (#4045), in its words, then the fields as set here
+        if self.enable_async_tensor_parallel and not (self.enable and "model" in self.components):
+            raise ValueError("Async TP requires 'model' in --compile.components and --compile.enable "
+                             f"(compile.enable_async_tensor_parallel=True with compile.enable={self.enable}, "
+                             f"compile.components={self.components!r}).")
+
 
 #: About 31 years: far past any job, well inside what ``datetime.timedelta`` holds (larger
 #: values raise OverflowError there).
