@@ -180,7 +180,17 @@ def test_unimplemented_august_fields_are_setup_errors(field: str, value: object,
     with pytest.raises(ValueError, match=f"training.{field}.*{feature}"):
         check_supported(JobConfig(training=TrainingConfig(**{field: value})))
     with pytest.raises(ValueError, match="compile.enable_async_tensor_parallel"):
-        check_supported(JobConfig(compile=CompileConfig(enable_async_tensor_parallel=True)))
+        check_supported(JobConfig(compile=CompileConfig(enable=True, enable_async_tensor_parallel=True)))
+
+
+@pytest.mark.parametrize("fields", [{}, {"enable": True, "components": ["loss"]}, {"components": ["model"]}])
+def test_async_tp_requires_model_compile_as_upstream(fields: dict[str, object]) -> None:
+    """b5bcd76's ``CompileConfig.__post_init__`` (#4045): its words, then the fields as given."""
+    with pytest.raises(ValueError, match=r"^Async TP requires 'model' in --compile.components and "
+                                         r"--compile.enable \(compile.enable_async_tensor_parallel=True") as err:
+        CompileConfig(enable_async_tensor_parallel=True, **fields)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+    assert CompileConfig(enable=True, components=["model"], enable_async_tensor_parallel=True).enable
 
 
 @pytest.mark.parametrize(("name", "default"), [("june", None), ("august", 1)])
