@@ -118,9 +118,12 @@ def run_forked(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
 
-    Returns the per-rank return values, in rank order. Raises :class:`WorkerError`
-    with the failing ranks' tracebacks if any rank raises, and ``TimeoutError``
-    (after killing the ranks) if they do not finish within ``timeout_s``.
+    Returns the per-rank return values, in rank order. Raises :class:`WorkerError` if any rank
+    raises or exits without a result: its first line says what each failing rank did (``rank 1
+    raised ValueError: ...; rank 2 exited with code 3 without a result (of 4 ranks)``), the
+    failing ranks' tracebacks follow. Raises ``TimeoutError`` naming the ranks still running
+    (after killing them) if they do not finish within ``timeout_s``. Nothing outlives the call:
+    the next launch starts from fresh processes.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
@@ -135,10 +138,12 @@ def run_forked(
         )
         deadline = time.monotonic() + timeout_s
         failure: BaseException | None = None
+        hung: list[int] = []
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"forked ranks did not finish within {timeout_s:.0f} s")
+                    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                    break
         except mp.ProcessRaisedException as err:  # pragma: no cover - we catch in-worker
             failure = err
         except mp.ProcessExitedException as err:
@@ -148,25 +153,44 @@ def run_forked(
                 if p.is_alive():
                     p.kill()
                     p.join()
+        _record_launch(fn, world_size, time.monotonic() - launched, workdir)
+        if hung:
+            done = [r for r in range(world_size) if r not in hung]
+            raise TimeoutError(
+                f"rank(s) {', '.join(map(str, hung))} of {world_size} did not finish within "
+                f"{timeout_s:.0f} s and were killed"
+                + (f" (rank(s) {', '.join(map(str, done))} had finished)" if done else ""))
         results: list[Any] = []
         errors: list[str] = []
+        summary: list[str] = []
         for rank in range(world_size):
             path = os.path.join(workdir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {rank}: exited without a result (killed, or ended by a failing rank)")
+                code = ctx.processes[rank].exitcode
+                errors.append(f"rank {rank}: exited without a result (exit code {code}: killed, "
+                              f"or ended by a failing rank)")
+                summary.append(f"rank {rank} exited with code {code} without a result")
                 results.append(None)
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
+                summary.append(f"rank {rank} raised {_last_line(value)}")
                 results.append(None)
             else:
                 results.append(value)
-        _record_launch(fn, world_size, time.monotonic() - launched, workdir)
         if errors:
-            raise WorkerError("\n".join(errors)) from failure
+            # One line first (what each failing rank did), then every failing rank's traceback.
+            raise WorkerError(f"{'; '.join(summary)} (of {world_size} ranks)\n" + "\n".join(errors)) \
+                from failure
         return results
+
+
+def _last_line(traceback_text: str) -> str:
+    """The exception line of a formatted traceback (its last non-empty line)."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "an exception"
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> Any:
