@@ -134,6 +134,18 @@ def report(out: Path, top_files: int = 25) -> str:
             f"{total:.0f} s from fork to join, {work:.0f} s of it inside the tests' functions (rank 0), "
             f"{total - work:.0f} s ({(total - work) / max(total, 1e-9):.0%}) process start-up, "
             f"rendezvous and teardown.")
+        groups: dict[str, list[dict]] = defaultdict(list)
+        for x in launches:
+            if x.get("args_digest"):
+                groups[x["args_digest"]].append(x)
+        twice = sorted((g for g in groups.values() if len(g) > 1),
+                       key=lambda g: -sum(x["wall_s"] for x in g[1:]))
+        if twice:
+            rows = [(", ".join(sorted({x["test"].split("::")[-1][:60] for x in g})), len(g),
+                     f"{sum(x['wall_s'] for x in g[1:]):.1f}") for g in twice[:15]]
+            parts.append("Launches of the same function on the same arguments (candidates to share "
+                         "one run):
+" + _table(rows, ("tests", "launches", "s after the first")))
     slow = sorted({(t["test"], t["slow"], t["wall_s"]) for t in tests if t.get("slow")}, key=lambda r: -r[2])
     if slow:
         parts.append("Tests marked slow, with their reasons:\n" + _table(

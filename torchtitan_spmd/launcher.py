@@ -37,12 +37,21 @@ __all__ = ["WorkerError", "run_forked", "run_isolated"]
 PROFILE_ENV = "TORCHTITAN_SPMD_LAUNCH_PROFILE"
 
 
-def _record_launch(fn: Callable[..., Any], world_size: int, wall_s: float, workdir: str) -> None:
+def _record_launch(fn: Callable[..., Any], world_size: int, wall_s: float, workdir: str,
+                   args: tuple[Any, ...]) -> None:
     """Append the launch's line to the profile file, when one is asked for."""
     path = os.environ.get(PROFILE_ENV)
     if not path:
         return
+    import hashlib
     import json
+
+    inner = fn.__closure__[0].cell_contents if getattr(fn, "__closure__", None) else fn
+    try:  # the same function on the same arguments twice: a run two tests could share
+        digest: str | None = hashlib.sha1(pickle.dumps(
+            (getattr(inner, "__qualname__", ""), world_size, args))).hexdigest()[:16]
+    except Exception:  # noqa: BLE001 - unpicklable arguments: no digest
+        digest = None
 
     work_s = None
     try:
@@ -56,6 +65,7 @@ def _record_launch(fn: Callable[..., Any], world_size: int, wall_s: float, workd
         "world_size": world_size,
         "wall_s": round(wall_s, 4),
         "work_s": None if work_s is None else round(work_s, 4),
+        "args_digest": digest,
     })
     with open(path, "a", encoding="utf-8") as f:  # one short append per launch
         f.write(line + "\n")
@@ -153,7 +163,7 @@ def run_forked(
                 if p.is_alive():
                     p.kill()
                     p.join()
-        _record_launch(fn, world_size, time.monotonic() - launched, workdir)
+        _record_launch(fn, world_size, time.monotonic() - launched, workdir, args)
         if hung:
             done = [r for r in range(world_size) if r not in hung]
             raise TimeoutError(
