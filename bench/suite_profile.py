@@ -144,8 +144,7 @@ def report(out: Path, top_files: int = 25) -> str:
             rows = [(", ".join(sorted({x["test"].split("::")[-1][:60] for x in g})), len(g),
                      f"{sum(x['wall_s'] for x in g[1:]):.1f}") for g in twice[:15]]
             parts.append("Launches of the same function on the same arguments (candidates to share "
-                         "one run):
-" + _table(rows, ("tests", "launches", "s after the first")))
+                         "one run):\n" + _table(rows, ("tests", "launches", "s after the first")))
     slow = sorted({(t["test"], t["slow"], t["wall_s"]) for t in tests if t.get("slow")}, key=lambda r: -r[2])
     if slow:
         parts.append("Tests marked slow, with their reasons:\n" + _table(
