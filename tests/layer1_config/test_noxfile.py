@@ -59,7 +59,8 @@ def _scratch_project(tmp_path: Path, test_body: str) -> Path:
 
 
 def _nox(root: Path, session: str, *posargs: str, workers: str = "1") -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHTITAN_SPMD_TORCH"}
+    env = {k: v for k, v in os.environ.items()
+           if k != "TORCHTITAN_SPMD_TORCH" and not k.endswith("_PROFILE")}  # not the outer profile's
     env["TORCHTITAN_SPMD_TEST_WORKERS"] = workers
     return subprocess.run(
         [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), "-s", session,

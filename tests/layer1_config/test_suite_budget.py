@@ -25,7 +25,8 @@ def _pytest(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedProces
         "[pytest]\naddopts = --strict-markers -p no:cacheprovider\nmarkers =\n"
         "    backend(name): x\n    multiproc: x\n    slow(reason): x\n")
     (tmp_path / "test_it.py").write_text("import pytest\n\n" + _BURN + body)
-    env = {**os.environ, "TORCHTITAN_SPMD_TEST_BUDGET_S": "0.3"}
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_PROFILE")}  # not the outer profile's
+    env["TORCHTITAN_SPMD_TEST_BUDGET_S"] = "0.3"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
 
