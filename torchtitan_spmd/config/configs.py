@@ -26,7 +26,7 @@ from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from . import backends as _backends
 from . import surface as _surface
-from ._section import Section, invalid_choice
+from ._section import Section, invalid_choice, reject_unknown_attribute
 
 __all__ = [
     "DATASETS",
@@ -131,6 +131,10 @@ class ParamGroupConfig:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     """The optimizer's keyword arguments for this group (``lr``, ``betas``, ``eps``,
     ``weight_decay``, ...); ``lr`` is required."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, "optimizer.param_groups[...]")
+        super().__setattr__(name, value)
 
     def check(self, where: str) -> None:
         """Raise ``ValueError``/``TypeError`` naming ``where`` (``optimizer.param_groups[i]``)."""

@@ -16,7 +16,7 @@ from torchtitan_spmd._errors import stacklevel_outside_library, suggest
 # Lines marked "compat hook" call into compat/ for the legacy spellings.
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
-from ._section import check_value
+from ._section import check_value, reject_unknown_attribute
 from .activation_checkpoint import (
     ActivationCheckpointing,
     SelectiveAC,
@@ -148,6 +148,10 @@ class JobConfig:
 
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     """``[profiler]``: ``torch.profiler`` traces and memory snapshots."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, "the root config")
+        super().__setattr__(name, value)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
