@@ -475,9 +475,10 @@ class TrainingConfig(Section):
     sequences). Pipeline parallelism: see ``docs/drop-in-august.md``."""
 
     num_tokens_per_train_step: int | None = None
-    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks;
-    -1 (the default) for ``num_tokens_per_microbatch_per_dp_rank`` times the data-parallel
-    degree: ``global_batch_size * seq_len``."""
+    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks:
+    ``global_batch_size * seq_len``. Unset (None, the default), it is computed from
+    ``global_batch_size`` (-1 there gives -1 here); -1 means ``num_tokens_per_microbatch_per_dp_rank``
+    times the data-parallel degree (upstream's default)."""
 
     max_context_length: int | None = None
     """Upstream b5bcd76's name of ``seq_len`` (default 2048)."""
@@ -492,8 +493,10 @@ class TrainingConfig(Section):
     """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload)."""
 
     dtype: Literal["bfloat16", "float32"] = "float32"
-    """Dtype of parameters, gradients and optimizer state. ``"bfloat16"`` trains entirely
-    in bf16 with no fp32 master copy (RoPE and logits stay fp32)."""
+    """Dtype of parameters, gradients and optimizer state: ``"float32"`` only here.
+    Upstream's ``"bfloat16"`` (full bf16 training, no fp32 master copy) is not implemented by
+    torchtitan_spmd yet: the trainer stops at setup naming this field. For bf16 compute use
+    ``mixed_precision_param``."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters under mixed precision (FSDP's ``param_dtype`` when
