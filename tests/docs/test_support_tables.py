@@ -183,7 +183,8 @@ def table_rows(page: str, heading: str) -> list[Row]:
             continue
         if set(line.replace("|", "").strip()) <= set("-: "):
             continue
-        by = dict(zip(header, cells))
+        assert len(cells) == len(header), f"{page}:{i + 1}: {len(cells)} cells, the header has {len(header)}"
+        by = dict(zip(header, cells, strict=True))
         rows.append(Row(page, i + 1, cells[0], {b: by[f"`{b}`"] for b in BACKENDS}))
     assert rows, f"{page}: no support table under {heading!r}"
     return rows
