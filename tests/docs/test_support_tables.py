@@ -264,3 +264,52 @@ def test_cells_say_what_the_setup_accepts(row: Row) -> None:
             wrong.append(f"{backend}: the table says {cell[:50]!r}, but the set-up "
                          + ("accepts it" if got else f"refuses it: {error}"))
     assert not wrong, f"{row.where}, probed with {probe.fields} on {probe.job}:\n  " + "\n  ".join(wrong)
+
+
+#: The torch-versions table of docs/backends-and-typechecking.md: the start of a row -> (backend, probe).
+TORCH_PROBES: dict[str, tuple[str, Probe]] = {
+    "`default` (FSDP, HSDP, TP + SP + loss parallel)": ("default", Probe({**_dp(2, 2), "parallelism.tensor_parallel_degree": 2,
+                                                                        "parallelism.enable_sequence_parallel": True},
+                                                                       world_size=8)),
+    "`full_dtensor` with data parallelism": ("full_dtensor", Probe(_dp(2), world_size=2)),
+    "`full_dtensor` TP + SP": ("full_dtensor", Probe({**TP2, "parallelism.enable_sequence_parallel": True}, world_size=2)),
+    "`spmd_types` without data parallelism": ("spmd_types", Probe(TP2, world_size=2)),
+    "`spmd_types` with FSDP": ("spmd_types", Probe(_dp(2), world_size=2)),
+    "`spmd_types` type checking with activation checkpointing": ("spmd_types", Probe(
+        {"debug.spmd_typechecking": True, "activation_checkpoint.mode": "full"})),
+    "Hugging Face weights": ("default", Probe({"checkpoint.enable": True, "checkpoint.last_save_in_hf": True})),
+}
+
+
+def torch_table() -> tuple[str | None, list[tuple[int, str, str]]]:
+    """(the header of the installed torch's column or None, [(line, row, that column's cell)])."""
+    lines = (ROOT / "docs/backends-and-typechecking.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| | torch "))
+    header = _split(lines[start])
+    mine = [h for h in header if h.startswith("torch ")
+            and Version(h.split()[1]).release[:2] == TORCH.release[:2]]
+    rows = []
+    for i in range(start + 2, len(lines)):
+        if not lines[i].startswith("|"):
+            break
+        cells = _split(lines[i])
+        assert len(cells) == len(header), f"docs/backends-and-typechecking.md:{i + 1}: wrong number of cells"
+        rows.append((i + 1, cells[0], cells[header.index(mine[0])] if mine else ""))
+    return (mine[0] if mine else None), rows
+
+
+def test_torch_versions_table_says_what_this_torch_accepts() -> None:
+    """The torch-versions table's column of the installed torch, row by row, against the set-up."""
+    column, rows = torch_table()
+    keys = {row: [k for k in TORCH_PROBES if row.startswith(k)] for _, row, _ in rows}
+    assert all(keys.values()), f"torch-table rows with no probe in TORCH_PROBES: {[r for r, k in keys.items() if not k]}"
+    if column is None:
+        pytest.skip(f"the table has no column for torch {TORCH}")
+    wrong = []
+    for line, row, cell in rows:
+        backend, probe = TORCH_PROBES[max(keys[row], key=len)]
+        got, error = accepted(probe, backend)
+        if got != (not cell.startswith("no")):
+            wrong.append(f"docs/backends-and-typechecking.md:{line} ({row[:50]}): the {column} column says {cell!r}, "
+                         "but the set-up " + ("accepts it" if got else f"refuses it: {error}"))
+    assert not wrong, "\n".join(wrong)
