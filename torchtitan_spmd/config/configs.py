@@ -182,7 +182,8 @@ class OptimizerConfig(Section):
     """How the optimizer updates the parameters (upstream's ``optimizer.implementation``):
     ``"fused"`` (one fused kernel per step; CPU and CUDA), ``"foreach"`` (multi-tensor
     kernels) or ``"for-loop"`` (one parameter at a time). ``"fused_opt_states_bf16"``
-    (bf16 moment buffers) is upstream's too."""
+    (bf16 moment buffers) is upstream's too.
+    Not implemented by torchtitan_spmd yet: ``"fused_opt_states_bf16"`` (a setup error)."""
 
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
     """Upstream's per-group optimizers (:class:`ParamGroupConfig`), in order: the first
@@ -490,13 +491,14 @@ class TrainingConfig(Section):
     """Number of optimizer steps."""
 
     enable_cpu_offload: bool = False
-    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload)."""
+    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     dtype: Literal["bfloat16", "float32"] = "float32"
     """Dtype of parameters, gradients and optimizer state: ``"float32"`` only here.
-    Upstream's ``"bfloat16"`` (full bf16 training, no fp32 master copy) is not implemented by
-    torchtitan_spmd yet: the trainer stops at setup naming this field. For bf16 compute use
-    ``mixed_precision_param``."""
+    Upstream's ``"bfloat16"`` (full bf16 training, no fp32 master copy) is
+    not implemented by torchtitan_spmd yet: the trainer stops at setup naming this field. For
+    bf16 compute use ``mixed_precision_param``."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters under mixed precision (FSDP's ``param_dtype`` when
@@ -507,7 +509,8 @@ class TrainingConfig(Section):
 
     disable_cuda_graphs: bool = False
     """Upstream b5bcd76's switch off CUDA-graph capture of the step. This library captures no
-    CUDA graphs, so ``False`` is the only value it implements (``check_supported``)."""
+    CUDA graphs, so ``False`` is the only value it implements (``check_supported``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     gc_freq: int = 50
     """Run Python's garbage collector every ``gc_freq`` steps."""
@@ -701,11 +704,13 @@ class ParallelismConfig(
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """When FSDP frees gathered parameters after forward: ``"default"`` (FSDP's own
-    choice), ``"always"`` or ``"never"``."""
+    choice), ``"always"`` or ``"never"``.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_fsdp_symm_mem: bool = False
     """Use symmetric-memory communication for FSDP collectives (NVIDIA compute
-    capability 9.0 or newer, or ROCm)."""
+    capability 9.0 or newer, or ROCm).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding). 1 disables it."""
@@ -714,7 +719,8 @@ class ParallelismConfig(
     """Gather the vocab-sharded logits before the loss instead of a vocab-parallel loss."""
 
     enable_async_tensor_parallel: bool = False
-    """Overlap tensor-parallel communication with compute (needs ``compile.enable``)."""
+    """Overlap tensor-parallel communication with compute (needs ``compile.enable``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_sequence_parallel: bool = True
     """Shard norms and residual activations along the sequence dim when TP is on."""
@@ -778,7 +784,8 @@ class ParallelismConfig(
 
     context_parallel_ptrr_mask_key: str | None = None
     """Upstream b5bcd76's key of the mask the ``"ptrr"`` load balancer is built from; only
-    meaningful with ``"ptrr"``, which this library does not run (None only)."""
+    meaningful with ``"ptrr"``, which this library does not run (None only).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE layers. Not a factor of the world size: it reuses
@@ -863,7 +870,8 @@ class CheckpointConfig(Section):
     """``initial_load_path`` is a Hugging Face safetensors checkpoint (model only)."""
 
     initial_load_in_hf_quantized: bool = False
-    """The Hugging Face checkpoint has quantized keys to dequantize on load."""
+    """The Hugging Face checkpoint has quantized keys to dequantize on load.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     last_save_model_only: bool = True
     """The final save holds only the model (loadable with ``weights_only=True``)."""
@@ -876,7 +884,8 @@ class CheckpointConfig(Section):
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Blocking saves (``"disabled"``), ``async_save`` on a thread (``"async"``), or a
-    separate process with pinned shared memory (``"async_with_pinned_mem"``)."""
+    separate process with pinned shared memory (``"async_with_pinned_mem"``).
+    Not implemented by torchtitan_spmd yet: ``"async_with_pinned_mem"`` (a setup error)."""
 
     keep_latest_k: int = 10
     """Keep only the newest ``k`` checkpoints (0 keeps all; 1 is not allowed)."""
@@ -931,7 +940,8 @@ class ActivationCheckpointConfig(Section):
 
     mode: Literal["selective", "full", "memory_budget", "none"] = "selective"
     """Which activations to recompute: ``"selective"``, ``"full"``, ``"memory_budget"``
-    (compiler-chosen) or ``"none"``."""
+    (compiler-chosen) or ``"none"``.
+    Not implemented by torchtitan_spmd yet: ``"memory_budget"`` (a setup error)."""
 
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
         default_factory=lambda: ["moe.router.gate"]
@@ -944,10 +954,12 @@ class ActivationCheckpointConfig(Section):
 
     memory_budget: float = 0.5
     """For ``mode="memory_budget"``: 0.0 is the memory of full checkpointing, 1.0 that
-    of no checkpointing."""
+    of no checkpointing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     visualize_memory_budget_pareto: bool = False
-    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder."""
+    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     preserve_rng_state: bool = True
     """Stash and restore the RNG state around each checkpoint, for results identical
@@ -981,7 +993,8 @@ class CompileConfig(Section):
 
     enable_async_tensor_parallel: bool = False
     """Upstream b5bcd76's place (#4045) of ``parallelism.enable_async_tensor_parallel``: one
-    setting (setting the two differently is a setup error naming both); not implemented here."""
+    setting (setting the two differently is a setup error naming both).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
 
 #: About 31 years: far past any job, well inside what ``datetime.timedelta`` holds (larger
@@ -1017,7 +1030,7 @@ class CommConfig(Section):
     """``"default"`` (real communication), ``"fake_backend"`` (dry run), ``"local_tensor"``
     (one process simulating every rank) or ``"torchcomms"``. The two simulated modes take the
     world size from the environment variable ``NGPU``, as upstream's ``run_train.sh``; see
-    ``docs/dry-run.md``."""
+    ``docs/dry-run.md``. Not implemented by torchtitan_spmd yet: ``"torchcomms"`` (a setup error)."""
 
     fake_device_memory_gib: float = 80.0
     """This library's: the device memory (GiB) that ``mode="fake_backend"``'s report sets each
@@ -1054,16 +1067,19 @@ class DebugConfig(Section):
     """Use deterministic algorithms where they exist (slower)."""
 
     deterministic_warn_only: bool = False
-    """With ``deterministic``, warn about ops with no deterministic version instead of failing."""
+    """With ``deterministic``, warn about ops with no deterministic version instead of failing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     moe_force_load_balance: bool = False
     """Route tokens round-robin so every expert gets the same load (MoE debugging)."""
 
     detect_anomaly: bool = False
-    """Run autograd anomaly detection to locate NaN/Inf gradients (slow)."""
+    """Run autograd anomaly detection to locate NaN/Inf gradients (slow).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     batch_invariant: bool = False
-    """Use batch-invariant kernels and a fixed collective reduction order."""
+    """Use batch-invariant kernels and a fixed collective reduction order.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     print_config: bool = False
     """Print the resolved config at start-up."""
