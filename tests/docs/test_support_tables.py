@@ -16,6 +16,7 @@ A new row with no probe fails :func:`test_every_row_is_probed`: add one to :data
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from collections.abc import Callable
@@ -49,6 +50,9 @@ class Probe:
 
     needs_torch: str | None = None
     """A torch the feature needs even where the cell does not say so (a "yes" is a "no" below it)."""
+
+    needs: tuple[str, ...] = ()
+    """Packages of an extra the feature imports: the row is skipped where one is missing."""
 
 
 
@@ -85,8 +89,9 @@ PROBES: dict[str, Probe] = {
                                                 world_size=2),
     "checkpoints (DCP)": Probe({"checkpoint.enable": True, "checkpoint.async_mode": "async"}),
     "Hugging Face weights in and out": Probe({"checkpoint.enable": True, "checkpoint.last_save_in_hf": True,
-                                              "hf_assets_path": "tests/assets/tokenizer"}, needs_torch="2.14"),
-    "TensorBoard scalars": Probe({"metrics.enable_tensorboard": True}),
+                                              "hf_assets_path": str(ROOT / "tests/assets/tokenizer")},
+                                             needs_torch="2.14", needs=("safetensors", "tokenizers")),
+    "TensorBoard scalars": Probe({"metrics.enable_tensorboard": True}, needs=("tensorboard",)),
     "RoPE scaling": Probe({}, job="llama3_8b"),
     "tied embeddings": Probe({}, job="qwen3_0_6b"),
     "upstream's flavours and recipes": Probe({"model.flavor": "405B"}, job="llama3_debugmodel"),
@@ -94,7 +99,7 @@ PROBES: dict[str, Probe] = {
     "upstream's June (a0c831c49) and August": Probe({"training.max_context_length": 64,
                                                       "training.num_tokens_per_microbatch_per_dp_rank": 128}),
     "validator": Probe({"validator.enable": True, "validator.steps": 2, "metrics.enable_wandb": True,
-                        "lr_scheduler.decay_type": "linear", "lr_scheduler.decay_ratio": 0.5}),
+                        "lr_scheduler.decay_type": "linear", "lr_scheduler.decay_ratio": 0.5}, needs=("wandb",)),
     "multi-node launch": Probe(_dp(4), world_size=4),
     "dry run `comm.mode=fake_backend`": Probe({"comm.mode": "fake_backend", **_dp(4)}, world_size=4),
     "`comm.mode=local_tensor`": Probe({"comm.mode": "local_tensor", **TP2}, world_size=2),
@@ -127,13 +132,13 @@ PROBES: dict[str, Probe] = {
     "checkpointing (torch DCP)": Probe({"checkpoint.enable": True, "checkpoint.async_mode": "async"}),
     "checkpoints through pinned shared memory": Probe({"checkpoint.async_mode": "async_with_pinned_mem"}),
     "Hugging Face safetensors weights": Probe({"checkpoint.enable": True, "checkpoint.last_save_in_hf": True},
-                                              needs_torch="2.14"),
+                                              needs_torch="2.14", needs=("safetensors",)),
     "quantized Hugging Face checkpoints": Probe({"checkpoint.initial_load_in_hf_quantized": True}),
-    "Hugging Face tokenizer": Probe({"hf_assets_path": str(ROOT / "tests/assets/tokenizer")}),
+    "Hugging Face tokenizer": Probe({"hf_assets_path": str(ROOT / "tests/assets/tokenizer")}, needs=("tokenizers",)),
     "local datasets": Probe({"dataloader.dataset": "c4_test",
-                             "dataloader.dataset_path": str(ROOT / "tests/assets/c4_test")}),
+                             "dataloader.dataset_path": str(ROOT / "tests/assets/c4_test")}, needs=("datasets",)),
     "TensorBoard scalars and W&B values": Probe({"metrics.enable_tensorboard": True, "metrics.enable_wandb": True,
-                                                 "metrics.save_for_all_ranks": True}),
+                                                 "metrics.save_for_all_ranks": True}, needs=("tensorboard", "wandb")),
     "communication timeouts": Probe({"comm.init_timeout_seconds": 100, "comm.train_timeout_seconds": 50}),
     "run outputs": Probe({"debug.print_config": True, "job.description": "x"}),
     "communication through torchcomms": Probe({"comm.mode": "torchcomms"}),
@@ -209,6 +214,13 @@ def expected_accepted(cell: str, probe: Probe) -> bool:
     return accepted
 
 
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # sys.modules[package] is None: blocked
+        return False
+
+
 def _set(obj: Any, dotted: str, value: Any) -> None:
     *path, name = dotted.split(".")
     for part in path:
@@ -217,8 +229,6 @@ def _set(obj: Any, dotted: str, value: Any) -> None:
 
 
 def _job(name: str) -> Any:
-    import importlib
-
     family = "deepseek_v3" if name.startswith("deepseek_v3") else name.split("_")[0]
     return getattr(importlib.import_module(f"torchtitan_spmd.models.{family}.config_registry"), name)()
 
@@ -256,10 +266,17 @@ def test_every_row_is_probed() -> None:
 @pytest.mark.parametrize("row", [r for r in ROWS if _key(r) in PROBES], ids=lambda r: f"{r.page}:{r.line}")
 def test_cells_say_what_the_setup_accepts(row: Row) -> None:
     probe = PROBES[_key(row)]  # type: ignore[index]
+    # Without an extra's package, a "yes" is the setup error naming the extra (the README's promise).
+    missing = [package for package in probe.needs if not _installed(package)]
     wrong = []
     for backend, cell in row.cells.items():
         want = expected_accepted(cell, probe)
         got, error = accepted(probe, backend)
+        if want and missing:
+            if got or 'pip install -e ".[' not in error:
+                wrong.append(f"{backend}: {missing} not installed, but the set-up "
+                             + ("accepts it" if got else f"does not name the extra: {error}"))
+            continue
         if got != want:
             wrong.append(f"{backend}: the table says {cell[:50]!r}, but the set-up "
                          + ("accepts it" if got else f"refuses it: {error}"))
@@ -277,7 +294,8 @@ TORCH_PROBES: dict[str, tuple[str, Probe]] = {
     "`spmd_types` with FSDP": ("spmd_types", Probe(_dp(2), world_size=2)),
     "`spmd_types` type checking with activation checkpointing": ("spmd_types", Probe(
         {"debug.spmd_typechecking": True, "activation_checkpoint.mode": "full"})),
-    "Hugging Face weights": ("default", Probe({"checkpoint.enable": True, "checkpoint.last_save_in_hf": True})),
+    "Hugging Face weights": ("default", Probe({"checkpoint.enable": True, "checkpoint.last_save_in_hf": True},
+                                              needs=("safetensors",))),
 }
 
 
@@ -308,6 +326,8 @@ def test_torch_versions_table_says_what_this_torch_accepts() -> None:
     wrong = []
     for line, row, cell in rows:
         backend, probe = TORCH_PROBES[max(keys[row], key=len)]
+        if not all(_installed(package) for package in probe.needs):
+            continue  # an extra's package is missing: the main table's test checks its error
         got, error = accepted(probe, backend)
         if got != (not cell.startswith("no")):
             wrong.append(f"docs/backends-and-typechecking.md:{line} ({row[:50]}): the {column} column says {cell!r}, "
