@@ -457,21 +457,23 @@ class TrainingConfig(Section):
     section_name: typing.ClassVar[str] = "training"
 
     local_batch_size: int | None = None  # resolved to an int (default 8)
-    """Sequences per data-parallel rank per forward (per gradient-accumulation step); default 8.
+    """Sequences per data-parallel rank per forward (per gradient-accumulation step); unset
+    (None), 8, or ``num_tokens_per_microbatch_per_dp_rank / seq_len`` when that is set.
     Upstream June's field; August counts ``num_tokens_per_microbatch_per_dp_rank`` instead
     (``= local_batch_size * seq_len``), and either may be set."""
 
     global_batch_size: int | None = None  # resolved to an int (default -1)
-    """Sequences per step over all ranks; -1 (the default) means ``local_batch_size`` times
-    the data-parallel degree. A larger value means gradient accumulation. August's
+    """Sequences per step over all ranks; unset (None) it is -1, or from ``num_tokens_per_train_step``;
+    -1 means ``local_batch_size`` times the data-parallel degree. A larger value means gradient accumulation. August's
     ``num_tokens_per_train_step`` is ``global_batch_size * seq_len``."""
 
     seq_len: int | None = None  # resolved to an int (default 2048)
-    """Tokens per sequence; default 2048. August's name is ``max_context_length``."""
+    """Tokens per sequence; unset (None), 2048 or ``max_context_length``. August's name is
+    ``max_context_length``."""
 
     num_tokens_per_microbatch_per_dp_rank: int | None = None
     """Upstream b5bcd76's (#4121) token budget of one forward on one data-parallel rank
-    (default 16384 = 8 * 2048): ``local_batch_size * seq_len``, the same setting counted in
+    (unset (None): computed, 16384 = 8 * 2048 by default): ``local_batch_size * seq_len``, the same setting counted in
     tokens; it must be a multiple of ``max_context_length`` (this library packs whole
     sequences). Pipeline parallelism: see ``docs/drop-in-august.md``."""
 
@@ -482,7 +484,7 @@ class TrainingConfig(Section):
     times the data-parallel degree (upstream's default)."""
 
     max_context_length: int | None = None
-    """Upstream b5bcd76's name of ``seq_len`` (default 2048)."""
+    """Upstream b5bcd76's name of ``seq_len``; unset (None), ``seq_len``'s value (2048 by default)."""
 
     max_norm: float | int = 1.0
     """Gradient-norm clipping threshold over the global norm (0 disables clipping)."""
