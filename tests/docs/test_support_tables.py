@@ -8,6 +8,7 @@ and backend the test builds that config and runs the trainer's own set-up checks
 ``comm.mode="local_tensor"`` adds ``check_local_tensor``). A cell that starts with "no" must be a
 setup error (``ValueError``/``TypeError``); "yes" (and anything else: "warns", "build on meta,
 validate", "same") must be accepted. "(torch ≥ X)" in a cell makes it "no" on an older torch.
+The torch-versions table's column of the installed torch is checked the same way.
 
 Static: no mesh, no model weights, no training; each probe is the set-up checks alone.
 A new row with no probe fails :func:`test_every_row_is_probed`: add one to :data:`PROBES`, or to
@@ -52,7 +53,8 @@ class Probe:
     """A torch the feature needs even where the cell does not say so (a "yes" is a "no" below it)."""
 
     needs: tuple[str, ...] = ()
-    """Packages of an extra the feature imports: the row is skipped where one is missing."""
+    """Packages of an extra the feature imports: where one is missing, a "yes" must be the setup
+    error naming the extra instead (no skip)."""
 
 
 
