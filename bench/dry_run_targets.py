@@ -5,12 +5,10 @@
 Each target runs in a fresh subprocess (its peak RSS is its own) with ``NGPU`` set, through the
 trainer's own entry point (``python -m torchtitan_spmd.train ... --comm.mode fake_backend``).
 
-Upstream's real flavours (llama3 ``8B`` and ``405B``, qwen3 ``30B-A3B``, sizes from upstream
-a0c831c49's ``torchtitan/models/{llama3,qwen3}/__init__.py``) are not in this library's
-registry yet, so this script registers them for its own runs (:func:`register_flavours`), and
-builds a local WordLevel ``tokenizer.json`` of upstream's vocabulary size (128,256 for llama3,
-151,936 for qwen3) so that the model's vocabulary is the real one. Once the real flavours are
-registered by the library, drop :func:`register_flavours` and pass their names.
+Upstream's real flavours (llama3 ``8B`` and ``405B``, qwen3 ``30B-A3B``, deepseek_v3 ``671B``) are
+in this library's registry; the script builds a local WordLevel ``tokenizer.json`` of upstream's
+vocabulary size (128,256 for llama3, 151,936 for qwen3, 129,280 for deepseek_v3), so that the
+model's vocabulary is the real one.
 """
 
 from __future__ import annotations
@@ -48,24 +46,6 @@ TARGETS: dict[str, tuple[str, str, int, int, list[str]]] = {
 }
 
 
-def register_flavours() -> None:
-    """Add upstream's real flavours (a0c831c49) to this library's registries, for this process."""
-    from torchtitan_spmd.models import llama3, qwen3
-    from torchtitan_spmd.models.llama3 import LlamaConfig
-    from torchtitan_spmd.models.qwen3.model import Qwen3Config
-
-    llama3.FLAVORS.setdefault("8B", LlamaConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-        ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072))
-    llama3.FLAVORS.setdefault("405B", LlamaConfig(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
-        ffn_dim_multiplier=1.2, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072))
-    qwen3.FLAVORS.setdefault("30B-A3B", Qwen3Config(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=6144,
-        vocab_size=151936, rope_theta=1_000_000.0, max_seq_len=262144, num_experts=128, top_k=8,
-        moe_hidden_dim=768, score_func="softmax", route_norm=True))
-
-
 def word_level_tokenizer(folder: str, vocab: int) -> str:
     """A ``tokenizer.json`` of exactly ``vocab`` ids in ``folder`` (a WordLevel model; the dry run
     reads only its size)."""
@@ -79,7 +59,6 @@ def word_level_tokenizer(folder: str, vocab: int) -> str:
 
 def _child(target: str, folder: str) -> None:
     """Run one target in this process (the subprocess side)."""
-    register_flavours()
     from torchtitan_spmd.train import main
 
     family, flavour, _, _, extra = TARGETS[target]

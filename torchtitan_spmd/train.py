@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -481,6 +481,14 @@ class Trainer:
         self.local_rows = setup.local_rows
         #: block_causal: the EOS id that splits packed documents (None: causal).
         self.packed_documents_eos = packed_documents_eos(self.model_config, self.tokenizer, job_config)
+        if self.rank == 0:  # the job's header: first, before the start-up lines of the steps below
+            logger.info(f"job: {job_config.job.description}")
+            logger.info(
+                f"torchtitan_spmd: {self.world_size} rank(s) on {self.device_type}, "
+                f"spmd_backend={job_config.parallelism.spmd_backend}, "
+                f"model={job_config.model.name}/{job_config.model.flavor}, "
+                f"degrees {degrees_line(self.parallel_dims)}"
+            )
 
         # 3. the meshes; torch creates their groups with its default timeout (30 min): every
         # group gets comm.init_timeout_seconds until the first step is done
@@ -902,6 +910,28 @@ def _rank() -> int:
     return int(rank) if rank.isdigit() else 0
 
 
+class _RankZeroLines(logging.Filter):
+    """Keep a record on a rank other than 0 only when it is an error or marked ``every_rank`` (a line
+    only that rank knows, which names its ranks): every rank runs the same job, so rank 0's copy of an
+    informational line or a warning is the job's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, "every_rank", False))
+
+
+def once_per_job(rank: int) -> None:
+    """The command's lines once per job, not once per rank: on a rank other than 0 the root logger's
+    handlers keep errors and ``every_rank`` records only, and Python's warnings are off unless asked for
+    (``-W`` or ``PYTHONWARNINGS``: then every rank shows its own)."""
+    if rank == 0:
+        return
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _RankZeroLines) for f in handler.filters):
+            handler.addFilter(_RankZeroLines())
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun).
 
@@ -918,6 +948,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
+    once_per_job(_rank())
     # Every rank parses the same command line: rank 0 alone shows what the parser prints
     # (tyro's error box, --help) and the deprecation warnings of legacy spellings.
     quiet = _rank() != 0
@@ -957,13 +988,6 @@ def run_job(job_config: JobConfig) -> int:
         trainer = Trainer(job_config)
         trainer.stop_request = stop
         if trainer.rank == 0:
-            par = asdict(job_config.parallelism)
-            logger.info(f"job: {job_config.job.description}")
-            logger.info(
-                f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
-                f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
-                f"degrees {degrees_line(trainer.parallel_dims)}"
-            )
             _write_outputs(job_config)
         records = trainer.run()
         if trainer.rank == 0 and records:

@@ -26,7 +26,7 @@ from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from . import backends as _backends
 from . import surface as _surface
-from ._section import Section, invalid_choice
+from ._section import Section, invalid_choice, reject_unknown_attribute
 
 __all__ = [
     "DATASETS",
@@ -134,6 +134,10 @@ class ParamGroupConfig:
     """The optimizer's keyword arguments for this group (``lr``, ``betas``, ``eps``,
     ``weight_decay``, ...); ``lr`` is required."""
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, "optimizer.param_groups[...]")
+        super().__setattr__(name, value)
+
     def check(self, where: str) -> None:
         """Raise ``ValueError``/``TypeError`` naming ``where`` (``optimizer.param_groups[i]``)."""
         if not isinstance(self.pattern, str):
@@ -179,7 +183,8 @@ class OptimizerConfig(Section):
     """How the optimizer updates the parameters (upstream's ``optimizer.implementation``):
     ``"fused"`` (one fused kernel per step; CPU and CUDA), ``"foreach"`` (multi-tensor
     kernels) or ``"for-loop"`` (one parameter at a time). ``"fused_opt_states_bf16"``
-    (bf16 moment buffers) is upstream's too."""
+    (bf16 moment buffers) is upstream's too.
+    Not implemented by torchtitan_spmd yet: ``"fused_opt_states_bf16"`` (a setup error)."""
 
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
     """Upstream's per-group optimizers (:class:`ParamGroupConfig`), in order: the first
@@ -458,31 +463,34 @@ class TrainingConfig(Section):
     section_name: typing.ClassVar[str] = "training"
 
     local_batch_size: int | None = None  # resolved to an int (default 8)
-    """Sequences per data-parallel rank per forward (per gradient-accumulation step); default 8.
+    """Sequences per data-parallel rank per forward (per gradient-accumulation step); unset
+    (None), 8, or ``num_tokens_per_microbatch_per_dp_rank / seq_len`` when that is set.
     Upstream June's field; August counts ``num_tokens_per_microbatch_per_dp_rank`` instead
     (``= local_batch_size * seq_len``), and either may be set."""
 
     global_batch_size: int | None = None  # resolved to an int (default -1)
-    """Sequences per step over all ranks; -1 (the default) means ``local_batch_size`` times
-    the data-parallel degree. A larger value means gradient accumulation. August's
+    """Sequences per step over all ranks; unset (None) it is -1, or from ``num_tokens_per_train_step``;
+    -1 means ``local_batch_size`` times the data-parallel degree. A larger value means gradient accumulation. August's
     ``num_tokens_per_train_step`` is ``global_batch_size * seq_len``."""
 
     seq_len: int | None = None  # resolved to an int (default 2048)
-    """Tokens per sequence; default 2048. August's name is ``max_context_length``."""
+    """Tokens per sequence; unset (None), 2048 or ``max_context_length``. August's name is
+    ``max_context_length``."""
 
     num_tokens_per_microbatch_per_dp_rank: int | None = None
     """Upstream b5bcd76's (#4121) token budget of one forward on one data-parallel rank
-    (default 16384 = 8 * 2048): ``local_batch_size * seq_len``, the same setting counted in
+    (unset (None): computed, 16384 = 8 * 2048 by default): ``local_batch_size * seq_len``, the same setting counted in
     tokens; it must be a multiple of ``max_context_length`` (this library packs whole
     sequences). Pipeline parallelism: see ``docs/drop-in-august.md``."""
 
     num_tokens_per_train_step: int | None = None
-    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks;
-    -1 (the default) for ``num_tokens_per_microbatch_per_dp_rank`` times the data-parallel
-    degree: ``global_batch_size * seq_len``."""
+    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks:
+    ``global_batch_size * seq_len``. Unset (None, the default), it is computed from
+    ``global_batch_size`` (-1 there gives -1 here); -1 means ``num_tokens_per_microbatch_per_dp_rank``
+    times the data-parallel degree (upstream's default)."""
 
     max_context_length: int | None = None
-    """Upstream b5bcd76's name of ``seq_len`` (default 2048)."""
+    """Upstream b5bcd76's name of ``seq_len``; unset (None), ``seq_len``'s value (2048 by default)."""
 
     max_norm: float | int = 1.0
     """Gradient-norm clipping threshold over the global norm (0 disables clipping)."""
@@ -491,11 +499,14 @@ class TrainingConfig(Section):
     """Number of optimizer steps."""
 
     enable_cpu_offload: bool = False
-    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload)."""
+    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     dtype: Literal["bfloat16", "float32"] = "float32"
-    """Dtype of parameters, gradients and optimizer state. ``"bfloat16"`` trains entirely
-    in bf16 with no fp32 master copy (RoPE and logits stay fp32)."""
+    """Dtype of parameters, gradients and optimizer state: ``"float32"`` only here.
+    Upstream's ``"bfloat16"`` (full bf16 training, no fp32 master copy) is
+    not implemented by torchtitan_spmd yet: the trainer stops at setup naming this field. For
+    bf16 compute use ``mixed_precision_param``."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters under mixed precision (FSDP's ``param_dtype`` when
@@ -506,7 +517,8 @@ class TrainingConfig(Section):
 
     disable_cuda_graphs: bool = False
     """Upstream b5bcd76's switch off CUDA-graph capture of the step. This library captures no
-    CUDA graphs, so ``False`` is the only value it implements (``check_supported``)."""
+    CUDA graphs, so ``False`` is the only value it implements (``check_supported``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     gc_freq: int = 50
     """Run Python's garbage collector every ``gc_freq`` steps."""
@@ -700,11 +712,13 @@ class ParallelismConfig(
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """When FSDP frees gathered parameters after forward: ``"default"`` (FSDP's own
-    choice), ``"always"`` or ``"never"``."""
+    choice), ``"always"`` or ``"never"``.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_fsdp_symm_mem: bool = False
     """Use symmetric-memory communication for FSDP collectives (NVIDIA compute
-    capability 9.0 or newer, or ROCm)."""
+    capability 9.0 or newer, or ROCm).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding). 1 disables it."""
@@ -713,7 +727,8 @@ class ParallelismConfig(
     """Gather the vocab-sharded logits before the loss instead of a vocab-parallel loss."""
 
     enable_async_tensor_parallel: bool = False
-    """Overlap tensor-parallel communication with compute (needs ``compile.enable``)."""
+    """Overlap tensor-parallel communication with compute (needs ``compile.enable``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_sequence_parallel: bool = True
     """Shard norms and residual activations along the sequence dim when TP is on."""
@@ -777,7 +792,8 @@ class ParallelismConfig(
 
     context_parallel_ptrr_mask_key: str | None = None
     """Upstream b5bcd76's key of the mask the ``"ptrr"`` load balancer is built from; only
-    meaningful with ``"ptrr"``, which this library does not run (None only)."""
+    meaningful with ``"ptrr"``, which this library does not run (None only).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE layers. Not a factor of the world size: it reuses
@@ -862,7 +878,8 @@ class CheckpointConfig(Section):
     """``initial_load_path`` is a Hugging Face safetensors checkpoint (model only)."""
 
     initial_load_in_hf_quantized: bool = False
-    """The Hugging Face checkpoint has quantized keys to dequantize on load."""
+    """The Hugging Face checkpoint has quantized keys to dequantize on load.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     last_save_model_only: bool = True
     """The final save holds only the model (loadable with ``weights_only=True``)."""
@@ -875,7 +892,8 @@ class CheckpointConfig(Section):
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Blocking saves (``"disabled"``), ``async_save`` on a thread (``"async"``), or a
-    separate process with pinned shared memory (``"async_with_pinned_mem"``)."""
+    separate process with pinned shared memory (``"async_with_pinned_mem"``).
+    Not implemented by torchtitan_spmd yet: ``"async_with_pinned_mem"`` (a setup error)."""
 
     keep_latest_k: int = 10
     """Keep only the newest ``k`` checkpoints (0 keeps all; 1 is not allowed)."""
@@ -930,7 +948,8 @@ class ActivationCheckpointConfig(Section):
 
     mode: Literal["selective", "full", "memory_budget", "none"] = "selective"
     """Which activations to recompute: ``"selective"``, ``"full"``, ``"memory_budget"``
-    (compiler-chosen) or ``"none"``."""
+    (compiler-chosen) or ``"none"``.
+    Not implemented by torchtitan_spmd yet: ``"memory_budget"`` (a setup error)."""
 
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
         default_factory=lambda: ["moe.router.gate"]
@@ -943,10 +962,12 @@ class ActivationCheckpointConfig(Section):
 
     memory_budget: float = 0.5
     """For ``mode="memory_budget"``: 0.0 is the memory of full checkpointing, 1.0 that
-    of no checkpointing."""
+    of no checkpointing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     visualize_memory_budget_pareto: bool = False
-    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder."""
+    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     preserve_rng_state: bool = True
     """Stash and restore the RNG state around each checkpoint, for results identical
@@ -980,7 +1001,8 @@ class CompileConfig(Section):
 
     enable_async_tensor_parallel: bool = False
     """Upstream b5bcd76's place (#4045) of ``parallelism.enable_async_tensor_parallel``: one
-    setting (setting the two differently is a setup error naming both); not implemented here."""
+    setting (setting the two differently is a setup error naming both).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -1024,7 +1046,7 @@ class CommConfig(Section):
     """``"default"`` (real communication), ``"fake_backend"`` (dry run), ``"local_tensor"``
     (one process simulating every rank) or ``"torchcomms"``. The two simulated modes take the
     world size from the environment variable ``NGPU``, as upstream's ``run_train.sh``; see
-    ``docs/dry-run.md``."""
+    ``docs/dry-run.md``. Not implemented by torchtitan_spmd yet: ``"torchcomms"`` (a setup error)."""
 
     fake_device_memory_gib: float = 80.0
     """This library's: the device memory (GiB) that ``mode="fake_backend"``'s report sets each
@@ -1061,16 +1083,19 @@ class DebugConfig(Section):
     """Use deterministic algorithms where they exist (slower)."""
 
     deterministic_warn_only: bool = False
-    """With ``deterministic``, warn about ops with no deterministic version instead of failing."""
+    """With ``deterministic``, warn about ops with no deterministic version instead of failing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     moe_force_load_balance: bool = False
     """Route tokens round-robin so every expert gets the same load (MoE debugging)."""
 
     detect_anomaly: bool = False
-    """Run autograd anomaly detection to locate NaN/Inf gradients (slow)."""
+    """Run autograd anomaly detection to locate NaN/Inf gradients (slow).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     batch_invariant: bool = False
-    """Use batch-invariant kernels and a fixed collective reduction order."""
+    """Use batch-invariant kernels and a fixed collective reduction order.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     print_config: bool = False
     """Print the resolved config at start-up."""
