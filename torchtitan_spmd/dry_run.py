@@ -114,6 +114,8 @@ class DryRunReport:
     total_params: int
     roles: list[RoleReport]
     seconds: float = 0.0
+    #: The vocabulary the model was sized with, and where it came from.
+    vocabulary: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON data (``fits`` of each role included)."""
@@ -128,6 +130,8 @@ class DryRunReport:
         lines = [f"dry run: {self.model} on {self.world_size} fake ranks, spmd_backend={self.spmd_backend}, "
                  + " ".join(f"{k}={v}" for k, v in self.degrees.items()),
                  f"  model parameters: {self.total_params:,} ({self.total_params / 1e9:.2f} B)"]
+        if self.vocabulary:
+            lines.append(f"  vocabulary: {self.vocabulary}")
         for r in self.roles:
             comm_text = ", ".join(f"{k} {_size(v)}" for k, v in r.comm_bytes_per_step.items()) or "none"
             lines += [
@@ -299,7 +303,20 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
             dist.destroy_process_group()
     return DryRunReport(model=f"{job_config.model.name}/{job_config.model.flavor}", world_size=world_size,
                         degrees=degrees, spmd_backend=job_config.parallelism.spmd_backend,
-                        total_params=total_params, roles=roles, seconds=time.perf_counter() - start)
+                        total_params=total_params, roles=roles, seconds=time.perf_counter() - start,
+                        vocabulary=vocabulary_source(job_config, setup0))
+
+
+def vocabulary_source(job_config: JobConfig, setup: Any) -> str:
+    """The model's vocabulary and where it came from, as the report says it: the flavour's own when
+    no tokenizer is given (``hf_assets_path`` unset), else the tokenizer's."""
+    vocab = setup.model_config.vocab_size
+    if job_config.model.flavor == "from_hf":
+        return f"{vocab:,} ids, the Hugging Face folder's config.json"
+    if job_config.hf_assets_path is None:
+        return f"{vocab:,} ids, the flavour's own (no tokenizer: hf_assets_path is unset)"
+    return (f"{vocab:,} ids, the tokenizer's of hf_assets_path={job_config.hf_assets_path!r} "
+            f"({setup.tokenizer.vocab_size:,} ids padded to a multiple of 64)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -268,6 +268,16 @@ def packed_documents_eos(model_config: Any, tokenizer: Any, job_config: JobConfi
     return int(eos)
 
 
+def model_vocab_size(job_config: JobConfig, tokenizer: Any) -> int | None:
+    """The vocabulary the model is built with: the tokenizer's (``model_vocab_size``: padded to a
+    multiple of 64), or None, the flavour's own, in a dry run (``comm.mode="fake_backend"``) given
+    no tokenizer (``hf_assets_path`` unset): it sizes the model the recipe names, not one with the
+    byte tokenizer's 320 ids."""
+    if job_config.comm.mode == "fake_backend" and job_config.hf_assets_path is None:
+        return None
+    return tokenizer.model_vocab_size
+
+
 def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
     """Every check of ``job_config`` that can fail at setup, in one phase, before any mesh or
     model is built: each raises ``ValueError``/``TypeError`` naming the field.
@@ -286,10 +296,10 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
     parallel_dims = ParallelDims.from_config(par, world_size, device_type=device_type)
     model_spec = get_model_spec(job_config.model.name)
     # hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
-    # is the tokenizer's (padded to a multiple of 64).
+    # is the tokenizer's (padded to a multiple of 64), or in a dry run without a tokenizer the flavour's.
     tokenizer = build_tokenizer(job_config.hf_assets_path)
     model_config = hf_config.resolve_model_config(
-        model_spec, job_config, vocab_size=tokenizer.model_vocab_size,
+        model_spec, job_config, vocab_size=model_vocab_size(job_config, tokenizer),
         # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
         max_seq_len=job_config.training.seq_len)
     check_vocab_size(model_config.vocab_size, tokenizer, model=f"{job_config.model.name}/{job_config.model.flavor}")

@@ -191,3 +191,25 @@ def test_local_tensor_refuses_a_backend_it_does_not_simulate() -> None:
         check_local_tensor(cfg, 2, SETUP_PHASES)
     cfg.parallelism.spmd_backend = "default"
     check_local_tensor(cfg, 2, SETUP_PHASES)  # TP 2 under default: simulated
+
+
+def test_without_a_tokenizer_the_flavours_own_vocabulary_is_sized() -> None:
+    """Upstream's llama3_8b recipe with no tokenizer (hf_assets_path unset) on 2 fake ranks: the
+    model is the flavour's 8B with its 128,256-id vocabulary, counted here from Llama 3.1 8B's
+    shapes (dim 4096, 32 blocks, 32 heads and 8 kv heads of 128, SwiGLU 14,336, untied output),
+    not the 6.98 B of the byte tokenizer's 320 ids; the report says which vocabulary it used."""
+    from torchtitan_spmd.models.llama3.config_registry import llama3_8b
+
+    cfg = llama3_8b()
+    cfg.parallelism.data_parallel_shard_degree = 2
+    cfg.training.seq_len, cfg.training.steps = 64, 1
+    cfg.metrics.enable_tensorboard = False
+    cfg.comm.mode = "fake_backend"
+    cfg.validate()
+    assert cfg.hf_assets_path is None
+    report = dry_run(cfg, 2)
+    dim, kv, ffn, vocab, blocks = 4096, 8 * 128, 14336, 128256, 32
+    block = 2 * dim * dim + 2 * kv * dim + 3 * ffn * dim + 2 * dim
+    assert report.total_params == 2 * vocab * dim + dim + blocks * block == 8_030_261_248
+    assert report.vocabulary.startswith("128,256 ids, the flavour's own"), report.vocabulary
+    assert "vocabulary: 128,256 ids, the flavour's own" in report.text()
