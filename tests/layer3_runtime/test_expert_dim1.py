@@ -112,3 +112,32 @@ def test_checkpoints_resume_across_the_two_expert_placements(backend: str, tmp_p
         for step, loss, norm in run["steps"]:
             assert loss == pytest.approx(curve[step][0], rel=1e-5) and norm == pytest.approx(curve[step][1], rel=1e-4), (
                 step, run["steps"], full[0]["steps"])
+
+
+def _dry_run_two_experts(cfg: Any, world: int) -> Any:  # in run_isolated's child: register the flavour there
+    from torchtitan_spmd.train import dry_run
+
+    qwen3.FLAVORS[FLAVOR] = dataclasses.replace(qwen3.FLAVORS["moe_tiny"], num_experts=EXPERTS)
+    return dry_run(cfg, world)
+
+
+@pytest.mark.backend("default")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_dry_runs_bytes_equal_the_real_runs(ep: int) -> None:
+    """The dry run (fake ranks, meta) of the two dim-1 layouts: rank 0's parameter, gradient and
+    optimizer bytes equal the real run's rank 0 to the byte, and it holds no padded expert: at most
+    1.05 x the model's parameters / 4 (dim 0 would pad 2 experts to 4 rows: about 1.4x here)."""
+    from dry_run_helpers import measure
+
+    from torchtitan_spmd.launcher import run_isolated
+
+    cfg = _config("default", ep)
+    cfg.training.steps, cfg.comm.mode = 1, "fake_backend"
+    report = run_isolated(_dry_run_two_experts, cfg, WORLD, timeout_s=600)
+    cfg.comm.mode = "default"
+    real = measure(cfg, WORLD)
+    (role,) = report.roles
+    assert role.rank == 0
+    assert (role.param_bytes, role.grad_bytes, role.optimizer_bytes) == (
+        real[0]["param_bytes"], real[0]["grad_bytes"], real[0]["optimizer_bytes"]), (ep, real[0], role)
+    assert role.param_numel <= 1.05 * report.total_params / WORLD, (role.param_numel, report.total_params)

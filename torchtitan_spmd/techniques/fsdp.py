@@ -47,8 +47,9 @@ def clear_dtensor_sharding_caches() -> None:
         clear_native()
 
 
-def expert_shard_dims(model: nn.Module, shard_ranks: int) -> dict[str, int]:
-    """The dim FSDP shards each grouped expert weight on, by FQN, when ``shard_ranks`` ranks shard it.
+def expert_shard_dims(model: nn.Module, shard_ranks: int, *, tensor_parallel: bool = False) -> dict[str, int]:
+    """The dim FSDP shards each grouped expert weight on, by FQN, when ``shard_ranks`` ranks shard it
+    (before ``fully_shard``; ``tensor_parallel``: the plan shards the experts over ``tp``).
 
     Dim 0 (the expert; FSDP2's default) unless the ranks outnumber the experts this rank holds
     (``num_experts / ep``; upstream b5bcd76's ``efsdp * ep > num_experts``): FSDP2 would then pad
@@ -62,21 +63,20 @@ def expert_shard_dims(model: nn.Module, shard_ranks: int) -> dict[str, int]:
             param = experts._parameters[name]
             assert param is not None
             local = param.to_local() if isinstance(param, DTensor) else param
-            if isinstance(param, DTensor) and any(
-                    isinstance(p, Shard) and p.dim > 0 for p in param.placements):
-                dims[f"{fqn}.{name}"] = 0  # tensor-parallel experts: dims 1 and 2 are tp's
-            elif local.shape[0] < shard_ranks and local.shape[1] % shard_ranks == 0:
+            if not tensor_parallel and local.shape[0] < shard_ranks and local.shape[1] % shard_ranks == 0:
                 dims[f"{fqn}.{name}"] = 1
             else:
                 dims[f"{fqn}.{name}"] = 0
     return dims
 
 
-def _placement_fn(model: nn.Module, shard_ranks: int) -> Callable[[nn.Parameter], Shard | None] | None:
+def _placement_fn(model: nn.Module, shard_ranks: int, *,
+                  tensor_parallel: bool = False) -> Callable[[nn.Parameter], Shard | None] | None:
     """``fully_shard``'s ``shard_placement_fn`` for :func:`expert_shard_dims`' dim-1 experts (None
     for every other parameter: FSDP2's ``Shard(0)``); None when no expert goes on dim 1."""
     named = dict(model.named_parameters())
-    dim1 = {id(named[fqn]) for fqn, dim in expert_shard_dims(model, shard_ranks).items() if dim == 1}
+    dims = expert_shard_dims(model, shard_ranks, tensor_parallel=tensor_parallel)
+    dim1 = {id(named[fqn]) for fqn, dim in dims.items() if dim == 1}
     if not dim1:
         return None
     return lambda param: Shard(1) if id(param) in dim1 else None
@@ -139,7 +139,8 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
     if spec is not None:
         experts_here = expert_spec is None and expert_modules(model)
         _shard([*plan.fsdp_unit_modules(model), *(roots if roots is not None else [model])], spec, **policy,
-               shard_placement_fn=_placement_fn(model, pd.axis_size("fsdp")) if experts_here else None)
+               shard_placement_fn=_placement_fn(model, pd.axis_size("fsdp"), tensor_parallel=pd.tp_enabled)
+               if experts_here else None)
     return model
 
 
