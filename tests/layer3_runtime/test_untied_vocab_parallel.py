@@ -6,7 +6,8 @@ At FSDP 2 x TP 2 with sequence and loss parallel, on real gloo ranks, under ever
 (``spmd_types`` type-checked): each rank stores a quarter of each table, the logits are
 vocab-sharded, and every step's loss and every parameter's step-1 gradient norm equal the float64
 reference's (``tied_helpers.check_untied``). Checkpoints reshard between TP degrees with the
-sharded tables: TP 2 saves, TP 1 (FSDP 4) resumes on the same curve.
+sharded tables: ``test_checkpoint.py``'s base run saves at FSDP 2 x TP 2 (now vocab-sharded
+tables) and its cross-layout cells resume it at TP 1 (one process, FSDP 2) and TP 2.
 """
 
 from __future__ import annotations
