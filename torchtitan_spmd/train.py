@@ -64,7 +64,13 @@ from torchtitan_spmd.dry_run import (
 from torchtitan_spmd.dry_run import dry_run as _dry_run_with
 from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
-from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
+from torchtitan_spmd.techniques.compile import (
+    apply_compile,
+    maybe_compile_loss,
+    maybe_enable_async_tp,
+    validate_async_tp,
+    validate_compile,
+)
 from torchtitan_spmd.techniques.context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -314,6 +320,7 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         with torch.device("meta"):
             validate_param_groups(job_config.optimizer, model_spec.build(model_config))
     validate_compile(job_config, representation)
+    validate_async_tp(job_config, device_type)  # the dry run accepts it; a real run needs CUDA
     training = job_config.training
     stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
@@ -424,6 +431,7 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     apply_expert_parallel(model, rep, state_layouts)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
+        maybe_enable_async_tp(cfg, parallel_dims, device_type)
         apply_compile(model, cfg.compile, fullgraph=not parallel_dims.ep_enabled)
     roots = pipeline.stage_modules(model) if pipeline is not None else [model]
     apply_fsdp(model, plan, rep,
