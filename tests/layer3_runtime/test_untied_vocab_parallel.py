@@ -12,7 +12,6 @@ tables) and its cross-layout cells resume it at TP 1 (one process, FSDP 2) and T
 
 from __future__ import annotations
 
-
 import pytest
 from parity_helpers import skip_full_dtensor_on_old_torch
 from tied_helpers import check_untied
