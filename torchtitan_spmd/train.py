@@ -437,7 +437,7 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     apply_fsdp(model, plan, rep,
                param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
                reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-               reshard_after_forward=False if pipeline is not None else None, roots=roots)
+               reshard_after_forward=False if pipeline is not None else None, roots=roots, layouts=state_layouts)
     if materialize:
         for root in roots:  # each FSDP root materialises its own parameters
             init_weights(root, states_of(root, state_layouts), rep, seed=seed, device=device_type)
