@@ -64,7 +64,13 @@ from torchtitan_spmd.dry_run import (
 from torchtitan_spmd.dry_run import dry_run as _dry_run_with
 from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
-from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
+from torchtitan_spmd.techniques.compile import (
+    apply_compile,
+    maybe_compile_loss,
+    maybe_enable_async_tp,
+    validate_async_tp,
+    validate_compile,
+)
 from torchtitan_spmd.techniques.context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -268,6 +274,16 @@ def packed_documents_eos(model_config: Any, tokenizer: Any, job_config: JobConfi
     return int(eos)
 
 
+def model_vocab_size(job_config: JobConfig, tokenizer: Any) -> int | None:
+    """The vocabulary the model is built with: the tokenizer's (``model_vocab_size``: padded to a
+    multiple of 64), or None, the flavour's own, in a dry run (``comm.mode="fake_backend"``) given
+    no tokenizer (``hf_assets_path`` unset): it sizes the model the recipe names, not one with the
+    byte tokenizer's 320 ids."""
+    if job_config.comm.mode == "fake_backend" and job_config.hf_assets_path is None:
+        return None
+    return tokenizer.model_vocab_size
+
+
 def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
     """Every check of ``job_config`` that can fail at setup, in one phase, before any mesh or
     model is built: each raises ``ValueError``/``TypeError`` naming the field.
@@ -286,10 +302,10 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
     parallel_dims = ParallelDims.from_config(par, world_size, device_type=device_type)
     model_spec = get_model_spec(job_config.model.name)
     # hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
-    # is the tokenizer's (padded to a multiple of 64).
+    # is the tokenizer's (padded to a multiple of 64), or in a dry run without a tokenizer the flavour's.
     tokenizer = build_tokenizer(job_config.hf_assets_path)
     model_config = hf_config.resolve_model_config(
-        model_spec, job_config, vocab_size=tokenizer.model_vocab_size,
+        model_spec, job_config, vocab_size=model_vocab_size(job_config, tokenizer),
         # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
         max_seq_len=job_config.training.seq_len)
     check_vocab_size(model_config.vocab_size, tokenizer, model=f"{job_config.model.name}/{job_config.model.flavor}")
@@ -304,6 +320,7 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         with torch.device("meta"):
             validate_param_groups(job_config.optimizer, model_spec.build(model_config))
     validate_compile(job_config, representation)
+    validate_async_tp(job_config, device_type)  # the dry run accepts it; a real run needs CUDA
     training = job_config.training
     stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
@@ -414,12 +431,13 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     apply_expert_parallel(model, rep, state_layouts)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
+        maybe_enable_async_tp(cfg, parallel_dims, device_type)
         apply_compile(model, cfg.compile, fullgraph=not parallel_dims.ep_enabled)
     roots = pipeline.stage_modules(model) if pipeline is not None else [model]
     apply_fsdp(model, plan, rep,
                param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
                reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-               reshard_after_forward=False if pipeline is not None else None, roots=roots)
+               reshard_after_forward=False if pipeline is not None else None, roots=roots, layouts=state_layouts)
     if materialize:
         for root in roots:  # each FSDP root materialises its own parameters
             init_weights(root, states_of(root, state_layouts), rep, seed=seed, device=device_type)

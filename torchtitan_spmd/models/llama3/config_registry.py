@@ -42,10 +42,13 @@ def llama3_70b() -> JobConfig:
 
 def llama3_405b() -> JobConfig:
     """Upstream's Llama-3.1-405B recipe: flavour ``405B``, lr 8e-5, warm-up 600, local batch 2 x 8192,
-    3000 steps, TP 8 with async TP, full AC, checkpoints every 500, TensorBoard. Upstream also
-    converts the linears to float8, which this library lacks; async TP, which it lacks too, is
-    kept, so the recipe stops at setup naming ``parallelism.enable_async_tensor_parallel``
+    3000 steps, TP 8 with async TP, the blocks compiled (upstream's ``CompileConfig(enable=True)``),
+    full AC, checkpoints every 500, TensorBoard. Upstream also converts the linears to float8,
+    which this library lacks. Async TP runs on CUDA; the dry run (``--comm.mode fake_backend``)
+    accepts it; a real CPU run stops at setup naming ``parallelism.enable_async_tensor_parallel``
     (``--parallelism.no-enable-async-tensor-parallel`` runs it without)."""
-    return upstream_recipe("llama3", "405B", lr=8e-5, warmup_steps=600, local_batch_size=2, seq_len=8192,
-                           steps=3000, checkpoint_interval=500, ac_mode="full", tensorboard=True,
-                           tensor_parallel_degree=8, enable_async_tensor_parallel=True)
+    config = upstream_recipe("llama3", "405B", lr=8e-5, warmup_steps=600, local_batch_size=2, seq_len=8192,
+                             steps=3000, checkpoint_interval=500, ac_mode="full", tensorboard=True,
+                             tensor_parallel_degree=8, enable_async_tensor_parallel=True)
+    config.compile.enable = True
+    return config
