@@ -43,6 +43,21 @@ def test_a_cpu_run_refuses_async_tp_in_one_line(tmp_path: Path) -> None:
     assert "symmetric memory" in lines[0] and "--parallelism.no-enable-async-tensor-parallel" in lines[0], lines
 
 
+def test_augusts_field_is_refused_on_cpu_and_accepted_by_the_dry_run() -> None:
+    """b5bcd76's ``compile.enable_async_tensor_parallel`` (its own "requires compile" check is in
+    ``CompileConfig``): the same set-up decision as June's field."""
+    from torchtitan_spmd.train import validate_job
+
+    cfg = _job()
+    cfg.parallelism.enable_async_tensor_parallel = False
+    cfg.compile.components = ["model"]
+    cfg.compile.enable_async_tensor_parallel = True
+    with pytest.raises(ValueError, match=r"^compile.enable_async_tensor_parallel=True needs CUDA"):
+        validate_job(cfg, 2, "cpu")
+    cfg.comm.mode = "fake_backend"
+    validate_job(cfg, 2, "cpu")
+
+
 def test_junes_field_needs_the_blocks_compiled() -> None:
     from torchtitan_spmd.train import validate_job
 

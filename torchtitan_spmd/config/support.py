@@ -66,7 +66,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     *_rows(TrainingConfig, "full bfloat16 training", "dtype"),
     *_rows(ParallelismConfig, "FSDP reshard-after-forward policies", "fsdp_reshard_after_forward"),
     *_rows(ParallelismConfig, "FSDP symmetric-memory communication", "enable_fsdp_symm_mem"),
-    *_rows(CompileConfig, "async tensor parallelism", "enable_async_tensor_parallel"),
     *_rows(TrainingConfig, "CUDA graphs (this library captures none)", "disable_cuda_graphs"),
     *_rows(ParallelismConfig, "the PTRR context-parallel load balancer", "context_parallel_ptrr_mask_key"),
     *_rows(CheckpointConfig, "loading quantized Hugging Face checkpoints (dequantized on load)",
