@@ -76,7 +76,9 @@ PROBES: dict[str, Probe] = {
     "mixture of experts": Probe({}, job=MOE),
     "DeepSeek-V3": Probe({}, job="deepseek_v3_tiny"),
     "mixed precision": Probe({"training.mixed_precision_param": "bfloat16"}),
-    "async TP": Probe({**TP2, "parallelism.enable_async_tensor_parallel": True}, world_size=2),
+    # "dry run": the dry run accepts it (a real CPU run refuses it: tests/layer3_runtime/test_async_tp.py)
+    "async TP": Probe({**TP2, "parallelism.enable_async_tensor_parallel": True, "compile.enable": True,
+                       "comm.mode": "fake_backend"}, world_size=2),
     # README
     "TP + sequence parallel, loss parallel": Probe({**TP2, "parallelism.enable_sequence_parallel": True}, world_size=2),
     "pipeline parallelism, all seven": Probe({**PP2, "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
@@ -106,7 +108,8 @@ PROBES: dict[str, Probe] = {
     "dry run `comm.mode=fake_backend`": Probe({"comm.mode": "fake_backend", **_dp(4)}, world_size=4),
     "`comm.mode=local_tensor`": Probe({"comm.mode": "local_tensor", **TP2}, world_size=2),
     "loading a checkpoint runs none": Probe({"checkpoint.enable": True}),
-    "async TP, memory-budget AC": Probe({"activation_checkpoint.mode": "memory_budget"}),
+    "memory-budget AC, FSDP CPU offload": Probe({"activation_checkpoint.mode": "memory_budget"}),
+    "experts on dim 1": Probe({"parallelism.expert_parallel_degree": 2, **_dp(4)}, world_size=4, job=MOE),
     # docs/backends-and-typechecking.md
     "TP + sequence parallel": Probe({**TP2, "parallelism.enable_sequence_parallel": True}, world_size=2),
     "loss parallel": Probe({**TP2, "parallelism.disable_loss_parallel": False}, world_size=2),
