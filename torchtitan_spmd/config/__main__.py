@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 from . import ConfigManager
+from .converters import ModelConfigConverterConfig, converter_to_dict
 
 
 def _toml_value(value: object) -> str:
@@ -22,6 +23,9 @@ def _toml_value(value: object) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, ModelConfigConverterConfig):  # model.converters: inline tables, read back as such
+        table = converter_to_dict(value)
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None) + "}"
     return repr(value)
 
 
