@@ -65,11 +65,16 @@ from torchtitan_spmd.dry_run import dry_run as _dry_run_with
 from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
 from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
-from torchtitan_spmd.techniques.converters import bind_converted, build_converters, convert_model, converter_plan
 from torchtitan_spmd.techniques.context_parallel import (
     ContextParallel,
     apply_context_parallel,
     validate_context_parallel,
+)
+from torchtitan_spmd.techniques.converters import (
+    bind_converted,
+    build_converters,
+    convert_model,
+    converter_plan,
 )
 from torchtitan_spmd.techniques.expert_parallel import (
     apply_expert_parallel,

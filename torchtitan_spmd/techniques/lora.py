@@ -177,7 +177,7 @@ def _wrap_initial_value(model: nn.Module, rank: int) -> None:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its linear's weight, in place, on an unsharded (full) model; the
     linears become plain again. Returns ``model``."""
-    for fqn, module in list(model.named_modules()):
+    for module in list(model.modules()):
         if not is_lora(module):
             continue
         module.weight.add_(module.lora_scaling * (module.lora_b @ module.lora_a))

@@ -144,7 +144,9 @@ def _float8_linear_class() -> type[nn.Module]:
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
 
-            if self.tp_weight_shard_dim is None or isinstance(self.weight, DTensor):
+            if isinstance(self.weight, DTensor):
+                return _dtensor_forward(self, input)
+            if self.tp_weight_shard_dim is None:
                 return super().forward(input)
             out = _ShardedFloat8Matmul.apply(input, self.weight.t(), self.linear_mm_config, self.config,
                                              1 - self.tp_weight_shard_dim, self.amax_reduce)
@@ -161,6 +163,35 @@ def _float8_linear_class() -> type[nn.Module]:
 
 #: The float8 linear class (torchao's subclass); None until first use or without torchao.
 Float8Linear: Any = None
+
+
+def _dtensor_forward(module: Any, input: Any) -> Any:
+    """A float8 linear on DTensors (``full_dtensor``): on their local shards, as ``local_map`` would,
+    through :class:`_ShardedFloat8Matmul`. torchao's own DTensor path fails on an input sharded on
+    the batch and the features at once (rowwise scales of a row-wise linear under FSDP x TP:
+    "shape '[16, 1]' is invalid", torchao 0.18.0), so the DTensor is unwrapped here; the output
+    has the placements the plan declares (the features sharded, or a pending sum over ``tp``)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from torchtitan_spmd.distributed.representations._dtensor import local_grad_placements
+
+    weight, mesh = module.weight, module.weight.device_mesh
+    if not isinstance(input, DTensor):
+        raise RuntimeError("Float8Linear: a DTensor weight needs a DTensor input (full_dtensor).")
+    names = mesh.mesh_dim_names or ()
+    sharded = module.tp_weight_shard_dim
+    tp = names.index("tp") if sharded is not None and "tp" in names else None
+    out_placements = tuple(
+        (Shard(input.dim() - 1) if sharded == 0 else Partial()) if i == tp else p
+        for i, p in enumerate(input.placements))
+    x = input.to_local(grad_placements=local_grad_placements(input.placements, out_placements))
+    w = weight.to_local(grad_placements=local_grad_placements(weight.placements, out_placements))
+    out = _ShardedFloat8Matmul.apply(x, w.t(), module.linear_mm_config, module.config,
+                                     None if tp is None else 1 - sharded, module.amax_reduce)
+    out = DTensor.from_local(out, mesh, out_placements, run_check=False)
+    if module.bias is not None:
+        out = out + module.bias.to(out.dtype)
+    return out
 
 
 def _cast(t: torch.Tensor, cast_config: Any, mm_config: Any, role: Any, axis: int, sharded_dim: int | None,
@@ -195,12 +226,13 @@ class _ShardedFloat8Matmul(torch.autograd.Function):
     amaxes whose axis is sharded over tp reduced (see the module docstring).
 
     ``wt_shard_dim``: the dim of ``weight_t`` (``[in, out]``) sharded over tp: 1 for a
-    column-wise linear (the outputs), 0 for a row-wise one (the contracted inputs).
+    column-wise linear (the outputs), 0 for a row-wise one (the contracted inputs), None: no
+    tensor parallelism (nothing to reduce).
     """
 
     @staticmethod
     def forward(ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any,
-                wt_shard_dim: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+                wt_shard_dim: int | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         ctx.save_for_backward(input_hp, weight_hp_t)
