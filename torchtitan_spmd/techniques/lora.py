@@ -186,13 +186,24 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """A full model state dict with its adapters folded into the weights and dropped:
-    ``{fqn.weight: W + s * B @ A}`` for each linear ``fqn`` of ``scalings`` (``{linear fqn: alpha / rank}``)."""
+@torch.no_grad()
+def merged_state_dict(state: dict[str, Any], scalings: dict[str, float]) -> dict[str, Any]:
+    """A model state dict with its adapters folded into the weights and dropped:
+    ``{fqn.weight: W + s * B @ A}`` for each linear ``fqn`` of ``scalings`` (``{linear fqn: alpha / rank}``,
+    :func:`lora_scalings`). The values may be full tensors or DTensors of global shape (a
+    checkpoint's views): the merged weight keeps the weight's placements. What the Hugging Face
+    export writes."""
+    from torch.distributed.tensor import DTensor
+
+    if not scalings:
+        return state
     out = {k: v for k, v in state.items() if k.rpartition(".")[2] not in ADAPTERS}
     for fqn, s in scalings.items():
-        a, b = state[f"{fqn}.lora_a"], state[f"{fqn}.lora_b"]
-        out[f"{fqn}.weight"] = state[f"{fqn}.weight"] + s * (b.to(a.dtype) @ a).to(state[f"{fqn}.weight"].dtype)
+        w, a, b = state[f"{fqn}.weight"], state[f"{fqn}.lora_a"], state[f"{fqn}.lora_b"]
+        delta = (b.to(torch.float32) @ a.to(torch.float32)) * s
+        if isinstance(w, DTensor):
+            delta = delta.redistribute(w.device_mesh, w.placements)
+        out[f"{fqn}.weight"] = (w.to(torch.float32) + delta).to(w.dtype)
     return out
 
 
