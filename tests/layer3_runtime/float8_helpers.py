@@ -117,3 +117,57 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
         opt.zero_grad(set_to_none=True)
         records.append((float(loss.detach()), float(norm)))
     return tuple(records), grad_norms
+
+
+#: The casts of one float8 linear's forward and backward: 2 + 4.
+CASTS_PER_LINEAR = 6
+
+
+def _recording(calls: list[tuple[str, list[float], tuple[int, ...]]], limit: int, real: Any) -> Any:
+    def hp_tensor_and_scale_to_float8(hp_tensor: torch.Tensor, s: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if len(calls) < limit:
+            role = args[2] if len(args) > 2 else kwargs.get("gemm_input_role")
+            scale = s.to_local() if hasattr(s, "to_local") else s
+            calls.append((str(role), [float(v) for v in scale.reshape(-1)], tuple(scale.shape)))
+        return real(hp_tensor, s, *args, **kwargs)
+
+    return hp_tensor_and_scale_to_float8
+
+
+def scale_probe(trainer: Any) -> dict[str, Any]:
+    """Every float8 cast's scale (role, values, local shape) of this rank's first forward and backward."""
+    import torchao.float8.float8_training_tensor as tt
+
+    n_linears = sum(type(m).__name__.endswith("Float8Linear") for m in trainer.model.modules())
+    calls: list[tuple[str, list[float], tuple[int, ...]]] = []
+    tt.hp_tensor_and_scale_to_float8 = _recording(calls, CASTS_PER_LINEAR * n_linears, tt.hp_tensor_and_scale_to_float8)
+    return {"result": lambda: {"calls": calls, "tp_rank": trainer.parallel_dims.get_mesh("tp").get_local_rank()}}
+
+
+def torchao_scales(recipe: str) -> list[tuple[str, list[float], tuple[int, ...]]]:
+    """The same casts of torchao's single-process model: data-parallel rank 0's rows of step 1."""
+    import torchao.float8 as f8
+    import torchao.float8.float8_scaling_utils as su
+
+    from torchtitan_spmd import reference
+    from torchtitan_spmd.data import build_tokenizer
+    from torchtitan_spmd.models import get_model_spec
+
+    cfg = float8_job("default", [], parallelism={"data_parallel_shard_degree": 1}, steps=1)
+    seed, vocab = cfg.debug.seed, build_tokenizer(None).model_vocab_size
+    model = get_model_spec("llama3").build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
+                                                       max_seq_len=cfg.training.seq_len)
+    config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    f8.convert_to_float8_training(model, config=config)
+    calls: list[tuple[str, list[float], tuple[int, ...]]] = []
+    real = su.hp_tensor_and_scale_to_float8
+    su.hp_tensor_and_scale_to_float8 = _recording(calls, 10**6, real)
+    try:
+        tokens, labels = reference.global_batches(cfg, 2 * LOCAL_BATCH, seed)[0]
+        logits = model(tokens[:LOCAL_BATCH])
+        # the rank's share of the global mean: its token sum over the global batch's tokens
+        (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:LOCAL_BATCH].reshape(-1), reduction="sum")
+         / labels.numel()).backward()
+    finally:
+        su.hp_tensor_and_scale_to_float8 = real
+    return calls

@@ -199,3 +199,32 @@ def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
     print(f"\n{cell}: loss {got[-1][0]:.6f} vs torchao {ref[-1][0]:.6f}; per-tensor grad norms max rel {worst:.1e}")
     for name, value in trace.grad_norms.items():
         assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
+
+
+def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
+    """Under TP every scale a sharded float8 matmul uses is the one torchao's single-process model
+    computes for the same operand: equal where the scaled rows are whole on the rank, this rank's
+    slice where the scales themselves are split by the shard (e.g. a column-wise weight's per-column
+    scales). rowwise rounds scales to powers of two, so the losses hardly show a scale taken over a
+    local shard (measured: 1e-7, as the right one); the scales do."""
+    from float8_helpers import float8_job, run_trainer, torchao_scales
+
+    outs, _ = run_trainer(float8_job("default", [Float8LinearConverterConfig(emulate=True)], steps=1),
+                          probe="float8_helpers:scale_probe")
+    want = torchao_scales("rowwise")
+    checked = sliced = 0
+    for out in outs[:2]:  # data-parallel rank 0's two tensor-parallel ranks
+        got, tp_rank = out["probe"]["calls"], out["probe"]["tp_rank"]
+        assert len(got) == len(want) == 90, (len(got), len(want))
+        for i, ((role, values, shape), (want_role, want_values, want_shape)) in enumerate(zip(got, want)):
+            assert role == want_role, (i, role, want_role)
+            full = torch.tensor(want_values).reshape(want_shape)
+            if shape != want_shape:  # split by the shard: this rank's part
+                dim = next(d for d, (a, b) in enumerate(zip(shape, want_shape)) if a != b)
+                full = full.narrow(dim, tp_rank * shape[dim], shape[dim])
+                sliced += 1
+            mine = torch.tensor(values).reshape(shape)
+            bad = (~torch.isclose(mine, full, rtol=1e-6, atol=0)).sum()
+            assert bad == 0, f"cast {i} ({role}, shape {shape}): {int(bad)} of {mine.numel()} scales differ"
+            checked += 1
+    assert checked == 180 and sliced > 0
