@@ -171,3 +171,25 @@ def torchao_scales(recipe: str) -> list[tuple[str, list[float], tuple[int, ...]]
     finally:
         su.hp_tensor_and_scale_to_float8 = real
     return calls
+
+
+def lora_probe(trainer: Any) -> dict[str, Any]:
+    """After the steps: the Hugging Face export (the last, model-only save), every parameter's full
+    value (rank 0), which parameters hold optimizer state, and which require gradients."""
+
+    def result() -> dict[str, Any] | None:
+        from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+        steps = trainer.job_config.training.steps
+        trainer.checkpointer.save(steps, last_step=True)
+        trainer.checkpointer.wait()
+        full = {k: v.full_tensor() for k, v in trainer.checkpointer._model_state().items()}
+        names = {id(p): plain_fqn(n) for n, p in trainer.model.named_parameters()}
+        with_state = sorted(names[id(p)] for p, s in trainer.optimizer.state.items() if s)
+        trainable = sorted(plain_fqn(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
+        if trainer.rank != 0:
+            return None
+        return {"weights": {k: v.detach().tolist() for k, v in full.items()}, "with_state": with_state,
+                "trainable": trainable}
+
+    return {"result": result}
