@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from float8_helpers import check_float8_parity, check_lora
 from torch import nn
 
 from torchtitan_spmd.config import ConfigManager
@@ -17,9 +18,6 @@ from torchtitan_spmd.techniques.converters import build_converters, convert_mode
 
 pytest.importorskip("torchao.float8", reason='float8 needs the float8 extra: pip install -e ".[float8]"')
 
-#: Relative tolerance of the sharded float8 run against torchao's single-process model: the scales
-#: are the same, so only float32 summation order differs (measured 1e-7 .. 7e-7).
-F8_TOL = 1e-5
 
 
 def _fields(cls: type) -> dict[str, Any]:
@@ -175,30 +173,7 @@ CELLS = {
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
-    """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
-    on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
-    The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
-    axis is sharded), so only float32's summation order differs."""
-    from float8_helpers import float8_job, run_trainer, torchao_reference
-
-    backend, skip = CELLS[cell]
-    if backend == "full_dtensor":
-        from parity_helpers import skip_full_dtensor_on_old_torch
-
-        skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))])
-    outs, trace = run_trainer(cfg)
-    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip)
-    got = outs[0]["records"]
-    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
-        assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)
-        assert norm == pytest.approx(want_norm, rel=F8_TOL), (cell, step, got, ref)
-    want = dict(ref_norms)
-    assert set(trace.grad_norms) == set(want)
-    worst = max(abs(v - want[k]) / want[k] for k, v in trace.grad_norms.items())
-    print(f"\n{cell}: loss {got[-1][0]:.6f} vs torchao {ref[-1][0]:.6f}; per-tensor grad norms max rel {worst:.1e}")
-    for name, value in trace.grad_norms.items():
-        assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
+    check_float8_parity(cell, *CELLS[cell])
 
 
 def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
@@ -216,11 +191,11 @@ def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
     for out in outs[:2]:  # data-parallel rank 0's two tensor-parallel ranks
         got, tp_rank = out["probe"]["calls"], out["probe"]["tp_rank"]
         assert len(got) == len(want) == 90, (len(got), len(want))
-        for i, ((role, values, shape), (want_role, want_values, want_shape)) in enumerate(zip(got, want)):
+        for i, ((role, values, shape), (want_role, want_values, want_shape)) in enumerate(zip(got, want, strict=True)):
             assert role == want_role, (i, role, want_role)
             full = torch.tensor(want_values).reshape(want_shape)
             if shape != want_shape:  # split by the shard: this rank's part
-                dim = next(d for d, (a, b) in enumerate(zip(shape, want_shape)) if a != b)
+                dim = next(d for d, (a, b) in enumerate(zip(shape, want_shape, strict=True)) if a != b)
                 full = full.narrow(dim, tp_rank * shape[dim], shape[dim])
                 sliced += 1
             mine = torch.tensor(values).reshape(shape)
@@ -231,53 +206,6 @@ def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
 
 
 # ----------------------------------------------------------------------------- LoRA
-LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"])
-
-
-@pytest.mark.parametrize("backend", ["default", "full_dtensor", "spmd_types"])
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])  # spmd_types: layer 4's test_converters_spmd.py
 def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str) -> None:
-    """LoRA (rank 4 on wq, wk, wv, wo) at FSDP 2 x TP 2, 3 steps, then the Hugging Face export: the
-    frozen base is bit-identical to its initial weights, every adapter moved, only the adapters
-    hold optimizer state, and transformers' logits of the merged export equal the LoRA model's."""
-    from float8_helpers import float8_job, run_trainer
-    from parity_helpers import skip_full_dtensor_on_old_torch
-    from transformers import AutoModelForCausalLM
-
-    from torchtitan_spmd.reference import initial_weights
-    from torchtitan_spmd.techniques.converters import build_converters, convert_model
-
-    skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    cfg = float8_job(backend, [LORA])
-    cfg.job.dump_folder = str(tmp_path)
-    cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
-    cfg.checkpoint.last_save_in_hf, cfg.checkpoint.export_dtype = True, "float32"
-    cfg.validate()
-    outs, _ = run_trainer(cfg, probe="float8_helpers:lora_probe")
-    probe = outs[0]["probe"]
-    weights = {k: torch.tensor(v) for k, v in probe["weights"].items()}
-    adapters = sorted(k for k in weights if k.endswith(("lora_a", "lora_b")))
-    assert len(adapters) == 2 * 4 * 2  # 2 blocks x (wq, wk, wv, wo) x (a, b)
-    assert probe["trainable"] == probe["with_state"] == adapters
-    start = initial_weights("llama3", "tiny", cfg.debug.seed, 320)
-    for name, value in start.items():
-        if name in weights:
-            assert torch.equal(weights[name], value), f"the frozen {name} moved"
-    for name in adapters:
-        assert not torch.equal(weights[name], torch.zeros_like(weights[name])) and weights[name].abs().sum() > 0
-    # the LoRA model (unmerged, one process) against transformers on the merged export
-    from torchtitan_spmd.models import get_model_spec
-
-    ours = get_model_spec("llama3").build_initialized("tiny", seed=0)
-    convert_model(ours, build_converters([LORA]))
-    ours.load_state_dict(weights)
-    export = next(p.parent for p in tmp_path.rglob("config.json"))
-    hf = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
-    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
-    base = get_model_spec("llama3").build_initialized("tiny", seed=0)
-    base.load_state_dict({k: v for k, v in weights.items() if k in start})
-    with torch.no_grad():
-        theirs = hf(tokens).logits
-        gap, adapters_gap = (theirs - ours(tokens)).abs().max().item(), (theirs - base(tokens)).abs().max().item()
-    print(f"\n{backend}: merged export vs the LoRA model: max |logit| gap {gap:.1e}; without the adapters "
-          f"{adapters_gap:.1e}")
-    assert gap < 1e-4 < 1e-2 < adapters_gap, (gap, adapters_gap)
+    check_lora(tmp_path, backend)
