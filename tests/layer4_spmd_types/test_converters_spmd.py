@@ -13,8 +13,11 @@ pytest.importorskip("torchao.float8", reason='float8 needs the float8 extra: pip
 from float8_helpers import check_float8_parity, check_lora  # noqa: E402
 
 
-def test_float8_matches_torchaos_single_process_model_spmd_types() -> None:
-    check_float8_parity("spmd_types-fsdp2_tp2", "spmd_types", ())
+def test_float8_type_checked_matches_torchaos_single_process_model() -> None:
+    """Type-checked (``debug.spmd_typechecking``): each amax a scale takes over a tp-sharded axis is
+    reduced by a typed all-gather (``S(dim)@tp -> R@tp``), and the float8 matmul's type rule takes
+    the scales with the operands, so a dropped reduction is an ``SpmdTypeError``."""
+    check_float8_parity("spmd_types-fsdp2_tp2-typechecked", "spmd_types", (), spmd_typechecking=True)
 
 
 def test_lora_trains_only_the_adapters_and_exports_merged_spmd_types(tmp_path: Any) -> None:

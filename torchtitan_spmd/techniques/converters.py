@@ -64,10 +64,10 @@ def converter_plan(plan: ShardingPlan, converters: list[Any], model_spec: Any, m
     return plan
 
 
-def _max_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def _max_over(group: Any) -> Callable[..., torch.Tensor]:
     import torch.distributed._functional_collectives as funcol
 
-    def reduce(amax: torch.Tensor) -> torch.Tensor:
+    def reduce(amax: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         out = funcol.all_reduce(amax, "max", group)
         return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 

@@ -139,7 +139,7 @@ def _float8_linear_class() -> type[nn.Module]:
         """
 
         tp_weight_shard_dim: int | None = None
-        amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        amax_reduce: Callable[..., torch.Tensor] | None = None
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
@@ -148,8 +148,8 @@ def _float8_linear_class() -> type[nn.Module]:
                 return _dtensor_forward(self, input)
             if self.tp_weight_shard_dim is None:
                 return super().forward(input)
-            out = _ShardedFloat8Matmul.apply(input, self.weight.t(), self.linear_mm_config, self.config,
-                                             1 - self.tp_weight_shard_dim, self.amax_reduce)
+            out = sharded_float8_matmul(input, self.weight.t(), self.linear_mm_config, self.config,
+                                        1 - self.tp_weight_shard_dim, self.amax_reduce)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out
@@ -186,38 +186,80 @@ def _dtensor_forward(module: Any, input: Any) -> Any:
         for i, p in enumerate(input.placements))
     x = input.to_local(grad_placements=local_grad_placements(input.placements, out_placements))
     w = weight.to_local(grad_placements=local_grad_placements(weight.placements, out_placements))
-    out = _ShardedFloat8Matmul.apply(x, w.t(), module.linear_mm_config, module.config,
-                                     None if tp is None else 1 - sharded, module.amax_reduce)
+    out = sharded_float8_matmul(x, w.t(), module.linear_mm_config, module.config,
+                                None if tp is None else 1 - sharded, module.amax_reduce)
     out = DTensor.from_local(out, mesh, out_placements, run_check=False)
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)
     return out
 
 
-def _cast(t: torch.Tensor, cast_config: Any, mm_config: Any, role: Any, axis: int, sharded_dim: int | None,
-          reduce: Callable[[torch.Tensor], torch.Tensor] | None, round_pow2: bool) -> torch.Tensor:
-    """torchao's dynamic cast of ``t`` to float8 (``hp_tensor_to_float8_dynamic``), its amax
-    reduced with ``reduce`` where the scale spans ``sharded_dim`` (the dim sharded over tp)."""
+def _scale(t: torch.Tensor, cast_config: Any, axis: int, sharded_dim: int | None,
+           reduce: Callable[..., torch.Tensor] | None, round_pow2: bool) -> torch.Tensor | None:
+    """torchao's dynamic scale of ``t`` (``tensor_to_scale``) for ``cast_config`` along ``axis``, its
+    amax reduced with ``reduce`` (the max over tp) where the scale spans ``sharded_dim`` (the dim
+    sharded over tp); None where the recipe keeps the operand in high precision."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
-    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
     if cast_config.scaling_type is ScalingType.DISABLED:
-        return t
+        return None
     granularity = cast_config.scaling_granularity
     axiswise_dim = get_maybe_axiswise_dim(axis, granularity)
+    def local_amax() -> torch.Tensor:
+        return tensor_to_amax(t, False, None, granularity, axiswise_dim)
+
     with torch.no_grad():
-        amax = tensor_to_amax(t, False, None, granularity, axiswise_dim)
         spans_shard = sharded_dim is not None and (granularity is ScalingGranularity.TENSORWISE
                                                    or axiswise_dim % t.dim() == sharded_dim)
-        if spans_shard:
+        if not spans_shard:
+            amax = local_amax()
+        else:
             if reduce is None:
                 raise RuntimeError("Float8Linear: a scale spans a dim sharded over tp, and no amax reduction "
                                    "is bound (bind_float8_shards was not called).")
-            amax = reduce(amax)
-        scale = amax_to_scale(amax, cast_config.target_dtype, round_scales_to_power_of_2=round_pow2)
+            # the local part of the amax: a representation that types it says how (spmd_types: V@tp)
+            typed = getattr(reduce, "local_amax", None)
+            amax = typed(t, local_amax) if typed is not None else local_amax()
+            amax = reduce(amax, axiswise_dim % t.dim() if axiswise_dim is not None else None)
+        return amax_to_scale(amax, cast_config.target_dtype, round_scales_to_power_of_2=round_pow2)
+
+
+def _to_float8(t: torch.Tensor, scale: torch.Tensor | None, cast_config: Any, mm_config: Any, role: Any,
+               axis: int) -> torch.Tensor:
+    """``t`` cast to float8 with ``scale`` (torchao's ``hp_tensor_and_scale_to_float8``); ``t`` itself
+    where the recipe keeps it in high precision (``scale`` None)."""
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    if scale is None:
+        return t
+    axiswise_dim = get_maybe_axiswise_dim(axis, cast_config.scaling_granularity)
     return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, mm_config, role, axiswise_dim)
+
+
+def _cast(t: torch.Tensor, cast_config: Any, mm_config: Any, role: Any, axis: int, sharded_dim: int | None,
+          reduce: Callable[..., torch.Tensor] | None, round_pow2: bool) -> torch.Tensor:
+    """torchao's dynamic cast of ``t`` to float8 (``hp_tensor_to_float8_dynamic``), its amax
+    reduced with ``reduce`` where the scale spans ``sharded_dim`` (the dim sharded over tp)."""
+    scale = _scale(t, cast_config, axis, sharded_dim, reduce, round_pow2)
+    return _to_float8(t, scale, cast_config, mm_config, role, axis)
+
+
+def sharded_float8_matmul(input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any,
+                          wt_shard_dim: int | None,
+                          reduce: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """``input_hp @ weight_hp_t`` in float8 on tensor-parallel local shards. The forward's two
+    scales are computed here, outside the autograd Function, so that under ``spmd_types`` the type
+    checker sees each amax and its reduction over tp (typed V -> I): a scale left varying over tp
+    multiplies the row-wise matmul's pending sum, which the checker rejects (P x V)."""
+    pow2 = config.round_scales_to_power_of_2
+    input_shard = input_hp.dim() - 1 if wt_shard_dim == 0 else None  # row-wise: the input's features
+    scale_x = _scale(input_hp, config.cast_config_input, -1, input_shard, reduce, pow2)
+    scale_w = _scale(weight_hp_t, config.cast_config_weight, 0, wt_shard_dim, reduce, pow2)
+    return _ShardedFloat8Matmul.apply(input_hp, weight_hp_t, scale_x, scale_w, mm_config, config, wt_shard_dim,
+                                      reduce)
 
 
 class _ShardedFloat8Matmul(torch.autograd.Function):
@@ -231,20 +273,32 @@ class _ShardedFloat8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any,
-                wt_shard_dim: int | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, scale_x: torch.Tensor | None,
+                scale_w: torch.Tensor | None, mm_config: Any, config: Any, wt_shard_dim: int | None,
+                reduce: Callable[..., torch.Tensor] | None) -> torch.Tensor:
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         ctx.save_for_backward(input_hp, weight_hp_t)
         ctx.mm_config, ctx.config, ctx.wt_shard_dim, ctx.reduce = mm_config, config, wt_shard_dim, reduce
-        c, pow2 = config, config.round_scales_to_power_of_2
-        input_shard = input_hp.dim() - 1 if wt_shard_dim == 0 else None  # row-wise: the input's features
-        x8 = _cast(input_hp, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1, input_shard, reduce, pow2)
-        w8 = _cast(weight_hp_t, c.cast_config_weight, mm_config, GemmInputRole.WEIGHT, 0, wt_shard_dim, reduce,
-                   pow2)
+        c = config
+        x8 = _to_float8(input_hp, scale_x, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1)
+        w8 = _to_float8(weight_hp_t, scale_w, c.cast_config_weight, mm_config, GemmInputRole.WEIGHT, 0)
         shape = x8.shape
         out = torch.mm(x8.reshape(-1, shape[-1]), w8)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def spmd_typecheck(*, input_hp: Any, weight_hp_t: Any, scale_x: Any, scale_w: Any) -> Any:
+        """The forward's types (``spmd_types``): a matmul multilinear in the input, the weight and
+        their scales (the dequantisation multiplies the product by both). A row-wise linear's
+        product is a pending sum over tp, so its scales must be the same on every tp rank."""
+        from spmd_types import rules
+
+        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
+        if x is None or scale_x is None or scale_w is None:
+            raise TypeError("Float8Linear under spmd_types type checking: a 2-D or 3-D input with float8 "
+                            "scales on both forward operands.")
+        return rules.einsum(f"{x},kn,{x[:-1]}z,zn->{x[:-1]}n", input_hp, weight_hp_t, scale_x, scale_w)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -266,7 +320,7 @@ class _ShardedFloat8Matmul(torch.autograd.Function):
                     reduce, pow2)
         x8 = _cast(x, c.cast_config_input_for_grad_weight, mm, GemmInputRole.INPUT, 0, in_shard, reduce, pow2)
         grad_weight = torch.mm(go8.t(), x8)
-        return grad_input, grad_weight.t(), None, None, None, None
+        return grad_input, grad_weight.t(), None, None, None, None, None, None
 
 
 class Float8LinearConverter(QuantizationConverter):
@@ -319,7 +373,7 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 
 def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
-                       amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> int:
+                       amax_reduce: Callable[..., torch.Tensor] | None) -> int:
     """Tell each float8 linear how the plan sharded its weight over ``tp`` (from ``state_layouts``,
     the plan's layouts by name) and the ``max`` over ``tp`` to reduce its scales with (None: no
     tensor parallelism); the number of float8 linears whose weight is sharded over ``tp``."""
