@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
     from torchtitan_spmd.distributed.plan import ShardingPlan
 
-__all__ = ["CONVERTERS", "bind_converted", "build_converters", "convert_model", "converter_plan"]
+__all__ = ["CONVERTERS", "bind_converted", "build_converters", "convert_model", "converted_counts", "converter_plan"]
 
 #: Each converter class by its config class's converter name.
 CONVERTERS: dict[str, type[Any]] = {
@@ -85,3 +85,30 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
     own = getattr(representation, "amax_max_over_tp", None)
     reduce = own() if own is not None else _max_over(parallel_dims.get_mesh("tp").get_group())
     quantization.bind_float8_shards(model, state_layouts, reduce)
+
+
+def converted_counts(model: nn.Module) -> dict[str, int]:
+    """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8
+    linears and their weights' elements (kept in high precision: torchao's dynamic scaling stores
+    no scales, it computes them each step), LoRA's adapter elements, and the frozen parameters'
+    elements and bytes (no gradient, no optimizer state). Empty for an unconverted model."""
+    from torch.distributed.tensor import DTensor
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    out: dict[str, int] = {}
+    cls = quantization.Float8Linear
+    float8 = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+    if float8:
+        out["float8_linears"] = len(float8)
+        out["float8_weight_numel"] = sum(local(m.weight).numel() for m in float8)
+        out["float8_stored_scales"] = 0
+    adapters = [getattr(m, a) for m in model.modules() if lora.is_lora(m) for a in lora.ADAPTERS]
+    if adapters:
+        out["lora_adapter_numel"] = sum(local(p).numel() for p in adapters)
+    frozen = [local(p) for p in model.parameters() if not p.requires_grad]
+    if frozen:
+        out["frozen_numel"] = sum(p.numel() for p in frozen)
+        out["frozen_bytes"] = sum(p.numel() * p.element_size() for p in frozen)
+    return out
