@@ -628,8 +628,8 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
     from torchtitan_spmd.distributed.inputs import prepare_inputs, prepare_positions  # noqa: PLC0415
     from torchtitan_spmd.distributed.utils import get_train_context  # noqa: PLC0415
     from torchtitan_spmd.techniques.activation_checkpoint import apply_ac  # noqa: PLC0415
-    from torchtitan_spmd.techniques.converters import build_converters, convert_model  # noqa: PLC0415
     from torchtitan_spmd.techniques.context_parallel import ContextParallel, apply_context_parallel  # noqa: PLC0415
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model  # noqa: PLC0415
     from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches  # noqa: PLC0415
     from torchtitan_spmd.techniques.loss import cross_entropy_loss  # noqa: PLC0415
     from torchtitan_spmd.techniques.moe import moe_blocks  # noqa: PLC0415
