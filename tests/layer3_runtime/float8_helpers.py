@@ -73,11 +73,12 @@ def run_trainer(cfg: JobConfig, world: int = 4, probe: str | None = None) -> tup
 
 
 @functools.cache
-def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = ()) -> tuple[
-        tuple[tuple[float, float], ...], tuple[tuple[str, float], ...]]:
+def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = (),
+                      rows: int = LOCAL_BATCH) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[str, float], ...]]:
     """``((loss, grad_norm) per step, (name, step-1 gradient norm) per parameter)`` of torchao's own
     float8 model (emulated ``recipe``) on the parity job's data over ``dp`` data-parallel ranks;
-    the linears whose name is in ``skip`` stay in high precision."""
+    the linears whose name is in ``skip`` stay in high precision. ``rows``: the rows of one
+    forward (a pipeline's microbatch: its own scales)."""
     import torchao.float8 as f8
 
     from torchtitan_spmd import reference
@@ -106,10 +107,10 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
                 min_lr_factor=cfg.lr_scheduler.min_lr_factor, decay_ratio=cfg.lr_scheduler.decay_ratio,
                 decay_type=cfg.lr_scheduler.decay_type)
         total = torch.zeros(())
-        for r in range(dp):  # each data-parallel rank's rows: their own forward, their own scales
-            rows = slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
-            logits = model(tokens[rows])
-            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[rows].reshape(-1),
+        for r in range(dp * LOCAL_BATCH // rows):  # each rank's rows (microbatch): own forward, own scales
+            chunk = slice(r * rows, (r + 1) * rows)
+            logits = model(tokens[chunk])
+            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[chunk].reshape(-1),
                                             reduction="sum")
         loss = total / labels.numel()
         loss.backward()
@@ -206,7 +207,8 @@ F8_TOL = 1e-5
 LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"])
 
 
-def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], **debug: Any) -> None:
+def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
+                        rows: int = LOCAL_BATCH, **debug: Any) -> None:
     """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
     on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
     The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
@@ -215,9 +217,10 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], **debug:
         from parity_helpers import skip_full_dtensor_on_old_torch
 
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))], **debug)
+    cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))],
+                     parallelism=parallelism, **debug)
     outs, trace = run_trainer(cfg)
-    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip)
+    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip, rows=rows)
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
         assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)

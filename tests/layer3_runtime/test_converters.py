@@ -164,16 +164,19 @@ def test_filter_fqns_and_upstream_names() -> None:
 
 
 # ----------------------------------------------------------------------------- float8 parity
-CELLS = {
-    # id: (backend, filter_fqns (also the judge's unconverted linears))
-    "default-fsdp2_tp2": ("default", ()),
-    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",)),
+CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int]] = {
+    # id: (backend, filter_fqns (also the judge's unconverted linears), parallelism (None: FSDP 2 x TP 2),
+    #      rows a forward: a pipeline microbatch has its own scales)
+    "default-fsdp2_tp2": ("default", (), None, 2),
+    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",), None, 2),
+    "default-pp2_fsdp2": ("default", (), {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1),
 }
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
-    check_float8_parity(cell, *CELLS[cell])
+    backend, skip, parallelism, rows = CELLS[cell]
+    check_float8_parity(cell, backend, skip, parallelism, rows)
 
 
 def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
