@@ -97,6 +97,9 @@ class RoleReport:
     #: algorithms, see :func:`ring_bytes`) and how they were obtained.
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     comm_method: str = ""
+    #: What the model converters changed (:func:`~torchtitan_spmd.techniques.converters.converted_counts`):
+    #: float8 linears, LoRA's adapters, the frozen parameters (counted in the peak, not as gradients).
+    converted: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -145,6 +148,8 @@ class DryRunReport:
                 f"{'fits' if r.fits else 'DOES NOT FIT'}",
                 f"    sent a step per mesh axis: {comm_text}",
             ]
+            if r.converted:  # model converters (float8, LoRA)
+                lines.append("    converted: " + ", ".join(f"{k} {v:,}" for k, v in r.converted.items()))
         lines.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
@@ -230,6 +235,7 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
     With TP it runs a backward on the meta device (:func:`_counted_comm`), which starts autograd's
     threads: a process that forks ranks afterwards cannot train in them (run it in a clean child: ``launcher.run_isolated``)."""
     from torchtitan_spmd.techniques.context_parallel import ContextParallel
+    from torchtitan_spmd.techniques.converters import converted_counts
     from torchtitan_spmd.techniques.pipeline_parallel import PipelineParallel
     validate_job, compose_model = phases.validate, phases.compose
 
@@ -279,15 +285,15 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
                 optimizer = _init_optimizer_states(job_config, params)
                 measured[key] = (sum(_local(p).numel() for p in params), sum(_nbytes(p) for p in params),
                                  optimizer_state_bytes(optimizer), _gathered_param_bytes(built, setup, job_config),
-                                 built_comm(job_config, setup, built, pipeline))
+                                 built_comm(job_config, setup, built, pipeline), converted_counts(built.model))
                 del built, optimizer, params
-            numel, param_bytes, opt_bytes, gathered, from_built = measured[key]
+            numel, param_bytes, opt_bytes, gathered, from_built, converted = measured[key]
             if counted is None:  # the collectives inside the model: the same for every role
                 counted = _counted_comm(job_config, setup, _microbatch(job_config, pipeline), axis_names(pd))
             comm, comm_method = comm_bytes_per_step(job_config, setup, pipeline, from_built, counted)
             act_bytes, act_method = activation_bytes(job_config, setup, None, pipeline)
             in_flight = _microbatches_in_flight(setup, pipeline)
-            peak = param_bytes * 2 + opt_bytes + act_bytes * in_flight + gathered
+            peak = param_bytes * 2 + opt_bytes + act_bytes * in_flight + gathered + converted.get("frozen_bytes", 0)
             roles.append(RoleReport(
                 role=name, rank=rank, ranks=count,
                 stages=list(pipeline.stage_indices) if pipeline is not None else [],
@@ -297,7 +303,7 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
                 activation_bytes=act_bytes, activation_method=act_method,
                 activation_microbatches_in_flight=in_flight, gathered_param_bytes=gathered,
                 peak_bytes=peak, device_memory_bytes=int(job_config.comm.fake_device_memory_gib * 2**30),
-                comm_bytes_per_step=comm, comm_method=comm_method,
+                comm_bytes_per_step=comm, comm_method=comm_method, converted=converted,
             ))
     finally:
         if dist.is_initialized():
@@ -745,6 +751,7 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
     from torchtitan_spmd.distributed.utils import get_train_context  # noqa: PLC0415
     from torchtitan_spmd.techniques.activation_checkpoint import apply_ac  # noqa: PLC0415
     from torchtitan_spmd.techniques.context_parallel import ContextParallel, apply_context_parallel  # noqa: PLC0415
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model  # noqa: PLC0415
     from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches  # noqa: PLC0415
     from torchtitan_spmd.techniques.loss import cross_entropy_loss  # noqa: PLC0415
     from torchtitan_spmd.techniques.moe import moe_blocks  # noqa: PLC0415
@@ -762,6 +769,7 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
         config = dataclasses.replace(setup.model_config, n_layers=layers)
         with torch.device("meta"):
             model = setup.model_spec.build(config).to(dtype)  # FSDP's param_dtype: activations in it
+        convert_model(model, build_converters(job_config.model.converters, dry_run=True))  # as compose_model: the plan names them
         for block in moe_blocks(model):
             block.forward = lambda x: x * 1.0  # type: ignore[method-assign]
         context_parallel = ContextParallel.from_config(job_config, pd)

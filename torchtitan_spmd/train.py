@@ -76,6 +76,12 @@ from torchtitan_spmd.techniques.context_parallel import (
     apply_context_parallel,
     validate_context_parallel,
 )
+from torchtitan_spmd.techniques.converters import (
+    bind_converted,
+    build_converters,
+    convert_model,
+    converter_plan,
+)
 from torchtitan_spmd.techniques.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_plan,
@@ -331,6 +337,10 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         loss_parallel=not par.disable_loss_parallel,
     ), parallel_dims)
     validate_validator(job_config, stages)
+    # the converters' checks (torchao, the GPU, their fields: one line), then their parameters' layouts
+    plan = converter_plan(plan, build_converters(job_config.model.converters,
+                                                 dry_run=job_config.comm.mode == "fake_backend"),
+                          model_spec, model_config)
     return JobSetup(parallel_dims=parallel_dims, model_spec=model_spec, model_config=model_config,
                     tokenizer=tokenizer, representation=representation, plan=plan, stages=stages,
                     gradient_accumulation_steps=steps,
@@ -422,12 +432,14 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     clear_dtensor_sharding_caches()
     with torch.device("meta"):
         model = model_spec.build(model_config)
+    convert_model(model, build_converters(cfg.model.converters, dry_run=cfg.comm.mode == "fake_backend"))  # float8, LoRA: before every parallelism
     set_force_load_balance(model, cfg.debug.moe_force_load_balance)
     moe_over_stages = pipeline is not None and bool(moe_blocks(model))
     if pipeline is not None:
         model, plan = pipeline.split(model, plan)
     apply_context_parallel(model, plan, context_parallel)
     state_layouts = apply_plan(model, plan, rep)
+    bind_converted(model, state_layouts, parallel_dims, rep)
     apply_expert_parallel(model, rep, state_layouts)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:

@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 from . import ConfigManager, JobConfig
+from .converters import ModelConfigConverterConfig, converter_to_dict
 
 #: ``module:function`` of the trainer's set-up checks, ``function(config, world_size, device_type)``.
 TRAINER_CHECK = "torchtitan_spmd.train:validate_job"
@@ -38,6 +39,9 @@ def _toml_value(value: object) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, ModelConfigConverterConfig):  # model.converters: inline tables, read back as such
+        table = converter_to_dict(value)
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None) + "}"
     return repr(value)
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from . import backends as _backends
+from . import converters as _converters
 from . import surface as _surface
 from ._section import Section, invalid_choice, reject_unknown_attribute
 
@@ -112,6 +113,22 @@ class ModelConfig(Section):
     """Deprecated: the root config's ``hf_assets_path`` (upstream's ``Trainer.Config.hf_assets_path``
     since a0c831c49; ``model.hf_assets_path`` before). Set, it is moved there with a
     ``DeprecationWarning``."""
+
+    converters: list[Any] = field(default_factory=list)
+    """Model converters (upstream's ``model_registry(flavor, converters=[...])``): float8 training,
+    LoRA, ... as their configs (:mod:`torchtitan_spmd.config.converters`), applied in order;
+    quantization before LoRA. A recipe usually sets them with ``job.model_spec = model_registry(...)``."""
+
+    _field_checks: typing.ClassVar[dict[str, typing.Callable[[Any, str], Any]]] = {
+        "converters": lambda value, where: _converters.check_converters(value, where),
+    }
+
+    def to_dict(self) -> dict[str, Any]:
+        """As :meth:`Section.to_dict`, each converter a table naming its converter (read back by
+        ``from_dict``)."""
+        out = super().to_dict()
+        out["converters"] = [_converters.converter_to_dict(c) for c in self.converters]
+        return out
 
 
 @dataclass(kw_only=True)

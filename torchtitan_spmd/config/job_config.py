@@ -199,6 +199,26 @@ class JobConfig:
                 "SelectiveAC.Config, FullAC.Config, MemoryBudgetAC.Config or None (upstream b5bcd76's "
                 f"policies), got {type(self.activation_checkpoint).__name__}.")
 
+    @property
+    def model_spec(self) -> Any:
+        """Upstream's ``Trainer.Config.model_spec``: the last ``ModelSpec`` assigned (None before).
+
+        ``job.model_spec = model_registry("debugmodel", converters=[...])`` (a family's
+        ``model_registry``, as upstream's recipes write it) sets ``model.name``, ``model.flavor``
+        and ``model.converters`` from the spec; those fields are what the trainer reads."""
+        return self.__dict__.get("_model_spec")
+
+    @model_spec.setter
+    def model_spec(self, spec: Any) -> None:
+        name, flavor = getattr(spec, "name", None), getattr(spec, "flavor", None)
+        if not isinstance(name, str) or not isinstance(flavor, str):
+            raise TypeError("JobConfig.model_spec: expected a ModelSpec from a family's model_registry(flavor, "
+                            f"converters=[...]) (with a name and a flavor), got {spec!r}.")
+        self.model.name, self.model.flavor = name, flavor
+        self.model.converters = list(getattr(spec, "converters", ()))
+        self.model.check()
+        self.__dict__["_model_spec"] = spec
+
     @classmethod
     def root_fields(cls) -> tuple[str, ...]:
         """The root's own (non-section) fields: upstream's ``Trainer.Config.hf_assets_path``."""
