@@ -432,7 +432,8 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     clear_dtensor_sharding_caches()
     with torch.device("meta"):
         model = model_spec.build(model_config)
-    convert_model(model, build_converters(cfg.model.converters, dry_run=cfg.comm.mode == "fake_backend"))  # float8, LoRA: before every parallelism
+    # float8, LoRA: before every parallelism (a dry run sizes a GPU job: no GPU checks)
+    convert_model(model, build_converters(cfg.model.converters, dry_run=cfg.comm.mode == "fake_backend"))
     set_force_load_balance(model, cfg.debug.moe_force_load_balance)
     moe_over_stages = pipeline is not None and bool(moe_blocks(model))
     if pipeline is not None:

@@ -22,7 +22,6 @@ from .configs import (
     ActivationCheckpointConfig,
     CheckpointConfig,
     CommConfig,
-    CompileConfig,
     DebugConfig,
     OptimizerConfig,
     ParallelismConfig,
