@@ -89,7 +89,11 @@ TEST_WORKERS_ENV = "TORCHTITAN_SPMD_TEST_WORKERS"
 
 
 def _xdist_args() -> list[str]:
-    """``-n N --dist worksteal`` for N > 1 workers, else nothing (one pytest process).
+    """``-n N --dist loadfile`` for N > 1 workers, else nothing (one pytest process).
+
+    Whole files to a worker: a module's shared fixtures (one training run read by many tests,
+    e.g. tests/layer3_runtime/test_once_per_job.py) and its cached references then run once, not
+    once per worker that got one of its tests.
 
     Each worker runs its tests' torch on one thread (``OMP_NUM_THREADS=1``, as the forked ranks
     and torchrun's children already do): N workers on N cores, not N x N threads. Measured in
@@ -99,7 +103,7 @@ def _xdist_args() -> list[str]:
     if not raw.isdigit() or int(raw) < 1:
         raise SystemExit(f"{TEST_WORKERS_ENV}={raw!r}: expected a whole number >= 1")
     workers = int(raw)
-    return [] if workers == 1 else ["-n", str(workers), "--dist", "worksteal"]
+    return [] if workers == 1 else ["-n", str(workers), "--dist", "loadfile"]
 
 
 @nox.session(venv_backend="none")

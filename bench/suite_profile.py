@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider",
            f"--backend={args.backend}", *args.pytest_args]
     if workers > 1:
-        cmd += ["-n", str(workers), "--dist", "worksteal"]
+        cmd += ["-n", str(workers), "--dist", "loadfile"]  # as nox -s cpu_tests
         env["OMP_NUM_THREADS"] = "1"
     wall: dict[str, float] = {}
     start = time.monotonic()

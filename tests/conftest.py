@@ -121,8 +121,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # ----------------------------------------------------------------------------- the time budget
-#: A test whose call phase costs more than this many CPU seconds (this process plus the children
-#: it reaped: forked ranks, subprocesses) must carry ``@pytest.mark.slow(reason="...")`` saying
+#: A test whose set-up and call cost more than this many CPU seconds (this process plus the
+#: children it reaped: forked ranks, subprocesses; a shared fixture's run counts for the test that
+#: set it up) must carry ``@pytest.mark.slow(reason="...")`` saying
 #: why it cannot be cheaper; any other such test fails the session at its end, listed with its
 #: cost. CPU seconds, not wall: a loaded machine (pytest-xdist's other worker, another job)
 #: stretches wall time far more than CPU time, so the budget holds the same on a busy or idle
@@ -191,12 +192,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:  # a fixture's runs (a module's shared training run) count for the test that set it up
+        item.stash[_CALL_CPU] = item.stash.get(_CALL_CPU, 0.0) + _cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     start = _cpu_seconds()
     try:
         return (yield)
     finally:
-        item.stash[_CALL_CPU] = _cpu_seconds() - start
+        item.stash[_CALL_CPU] = item.stash.get(_CALL_CPU, 0.0) + _cpu_seconds() - start
 
 
 _CALL_CPU = pytest.StashKey[float]()
