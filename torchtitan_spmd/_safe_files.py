@@ -103,7 +103,7 @@ def name_problem(name: Any) -> str | None:
     if type(name) is not str:  # noqa: E721 - a str subclass (or a pathlib path) can print as anything
         return f"is a {type(name).__name__}, not a file name (a str)"
     if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        return f"{name!r} is not a plain file name of the folder (no separators, no '..')"
+        return "is not a plain file name of the folder (no separators, no '..')"
     return None
 
 
@@ -134,7 +134,8 @@ def open_inside(folder: str | os.PathLike[str], name: Any) -> IO[bytes]:
     folder = os.fspath(folder)
     problem = name_problem(name)
     if problem is not None:
-        raise UnsafeFile(folder, name if isinstance(name, str) else "", problem)
+        shown = repr(name) if isinstance(name, str) else f"a {type(name).__name__}"
+        raise UnsafeFile(folder, "", f"was asked for {shown}, which {problem}")
     dir_fd = _open_folder(folder)
     try:
         try:

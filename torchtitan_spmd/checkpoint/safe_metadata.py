@@ -61,7 +61,6 @@ import pickle
 import pickletools
 from collections import OrderedDict
 from collections.abc import Mapping
-
 from typing import IO, Any
 
 import torch
@@ -70,7 +69,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.futures import Future
 
-from torchtitan_spmd._safe_files import UnsafeFile, file_size, name_problem, open_inside, read_inside
+from torchtitan_spmd._safe_files import (
+    UnsafeFile,
+    file_size,
+    name_problem,
+    open_inside,
+    read_inside,
+)
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -737,8 +742,8 @@ class RestrictedReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:  # noqa: D102 - FileSystemReader's
-        from torch.distributed.checkpoint.planner import LoadItemType
         from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
 
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
@@ -752,7 +757,7 @@ class RestrictedReader(FileSystemReader):
                 size = file_size(f)
                 for item in items:
                     info = self.storage_data[item.storage_index]
-                    where = f"the item {item.storage_index.fqn!r}"
+                    where = f"the item {item.storage_index.fqn!r} in {relative}"
                     offset, length = info.offset, info.length
                     if not (_is_int(offset) and _is_int(length) and offset + length <= size):
                         raise RefusedCheckpointData(where, f"lies at bytes {offset}..{offset}+{length} of a file of "
