@@ -290,9 +290,6 @@ def results(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Results:
         **_marker(f)["files"], str(victim_file): {"size": 1, "crc32": "00000000", "rank": 0}}}))
     dcp_case("marker_dev_zero", lambda f: (_symlink(f / "zero", "/dev/zero"), _write_marker(f, {
         **_marker(f), "files": {**_marker(f)["files"], "zero": {"size": 0, "crc32": "00000000", "rank": 0}}})))
-    dcp_case("build_on_class", lambda f: ((f / ".metadata").write_bytes(BUILD_ON_CLASS), _rerecord(f, ".metadata")))
-    dcp_case("build_on_function", lambda f: ((f / ".metadata").write_bytes(BUILD_ON_FUNCTION),
-                                             _rerecord(f, ".metadata")))
     dcp_case("forward_from_src", lambda f: ((f / ".metadata").write_bytes(FORWARD_FROM_SRC),
                                             _rerecord(f, ".metadata")))
     dcp_case("fifo_shard", lambda f: (_fifo(f / shard), _legacy(f)))
@@ -316,17 +313,21 @@ def results(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Results:
         save_file(tensors, str(_hf_file(folder)), metadata={"DCP_SHARDING_INFO": "{}"})
 
     hf_case("hf_sharding_info", sharding_info)
-    # last in the process: the two that crashed it (a crash loses only the cases after it)
-    dcp_case("deep_metadata", lambda f: ((f / ".metadata").write_bytes(DEEP_PICKLE), _rerecord(f, ".metadata")))
-    dcp_case("deep_item", lambda f: _replace_item(f, STEP, _zip_with_pickle(DEEP_PICKLE)))
-    # the documented tool on a poisoned folder, then a legitimate save after all the refusals
+    # the documented tool on a poisoned folder
     poisoned = root / "bench_read" / "step-4"
     shutil.copytree(base / "dcp" / "checkpoint" / "step-4", poisoned)
     files["bench_read"] = root / "bench_read.flag"
     (poisoned / ".metadata").write_bytes(f"cos\nsystem\n(S'touch {files['bench_read']}'\ntR.".encode())
     cases.append({"name": "bench_read", "kind": "bench_read", "folder": str(poisoned.parent)})
+    # the two that changed the process (BUILD on a class, on a function), then a legitimate save
+    dcp_case("build_on_class", lambda f: ((f / ".metadata").write_bytes(BUILD_ON_CLASS), _rerecord(f, ".metadata")))
+    dcp_case("build_on_function", lambda f: ((f / ".metadata").write_bytes(BUILD_ON_FUNCTION),
+                                             _rerecord(f, ".metadata")))
     cases.append({"name": "save_after", "kind": "job", "root": str(root / "save_after"), "steps": 2,
                   "checkpoint": {"interval": 1, "keep_latest_k": 0, "last_save_model_only": False}})
+    # last in the process: the two that crashed it (a crash loses only the cases after it)
+    dcp_case("deep_metadata", lambda f: ((f / ".metadata").write_bytes(DEEP_PICKLE), _rerecord(f, ".metadata")))
+    dcp_case("deep_item", lambda f: _replace_item(f, STEP, _zip_with_pickle(DEEP_PICKLE)))
     found, fate = _run(cases, root / "run", timeout=300)
     return Results(root, found, fate, files)
 
@@ -471,3 +472,35 @@ def test_the_documented_read_command_runs_nothing(results: Results) -> None:
     assert not r["hung"] and "traceback" not in r, r
     assert not results.files["bench_read"].exists(), "bench/checkpoint_trust_versions.py read ran the payload"
     assert r["status"] == 1 and any("refers to os.system" in line for line in r["stdout"]), r
+
+
+# ------------------------------------------------------------------ the path's type (unit)
+def test_only_a_str_names_a_file(tmp_path: Path) -> None:
+    """A path object is refused even when it prints as a plain name (its parts, which DCP joins,
+    need not say what its ``str()`` says), and so is a ``str`` subclass; ``open_inside`` takes
+    only a plain ``str`` name too."""
+    from torchtitan_spmd._safe_files import UnsafeFile, open_inside
+    from torchtitan_spmd.checkpoint.safe_metadata import RefusedCheckpointData, check_metadata
+
+    class Name(str):
+        pass
+
+    metadata = read_metadata_bytes(pickle.dumps(_tiny_metadata("__0_0.distcp")))
+    assert metadata.storage_data
+    for relative in (pathlib.PurePosixPath("__0_0.distcp"), pathlib.PureWindowsPath("__0_0.distcp")):
+        with pytest.raises(RefusedCheckpointData, match=f"is stored in a {type(relative).__name__}"):
+            read_metadata_bytes(pickle.dumps(_tiny_metadata(relative)))
+    with pytest.raises(RefusedCheckpointData, match="is stored in a Name"):
+        check_metadata(_tiny_metadata(Name("__0_0.distcp")), ".metadata")
+    (tmp_path / "x").write_bytes(b"1")
+    assert open_inside(tmp_path, "x").read() == b"1"
+    for name in (pathlib.PurePosixPath("x"), Name("x"), "../x", "a/x", "..", "", "x\0"):
+        with pytest.raises(UnsafeFile):
+            open_inside(tmp_path, name)
+
+
+def _tiny_metadata(relative: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    return Metadata(state_dict_metadata={"x": BytesStorageMetadata()},
+                    storage_data={MetadataIndex("x"): _StorageInfo(relative, 0, 1)}, planner_data={"x": ("x",)})
