@@ -98,12 +98,13 @@ class UnsafeFile(ValueError):
 def name_problem(name: Any) -> str | None:
     """Why ``name`` is not the plain name of an entry of a folder (None: it is one).
 
-    Only a ``str`` with no ``/``, ``\\`` or NUL, other than ``""``, ``.`` and ``..``, is.
+    Only a printable ``str`` (no NUL, newline or other control character) with no ``/`` or
+    ``\\``, other than ``""``, ``.`` and ``..``, is.
     """
     if type(name) is not str:  # noqa: E721 - a str subclass (or a pathlib path) can print as anything
         return f"is a {type(name).__name__}, not a file name (a str)"
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        return "is not a plain file name of the folder (no separators, no '..')"
+    if name in ("", ".", "..") or any(c in name for c in "/\\") or not name.isprintable():
+        return "is not a plain file name of the folder (no separators, no '..', no control characters)"
     return None
 
 

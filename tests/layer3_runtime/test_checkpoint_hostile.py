@@ -504,3 +504,49 @@ def _tiny_metadata(relative: Any) -> Any:
 
     return Metadata(state_dict_metadata={"x": BytesStorageMetadata()},
                     storage_data={MetadataIndex("x"): _StorageInfo(relative, 0, 1)}, planner_data={"x": ("x",)})
+
+
+def test_damaged_metadata_is_refused_in_one_line_never_a_crash() -> None:
+    """Random byte changes and cuts of a real ``.metadata`` (every kind of field DCP writes):
+    the decoder reads it or refuses it with :class:`RefusedCheckpointData`, nothing else (no
+    other exception, no crash, no hang)."""
+    import random
+
+    from test_checkpoint_trust import every_kind_of_metadata
+
+    from torchtitan_spmd.checkpoint.safe_metadata import RefusedCheckpointData
+
+    metadata = every_kind_of_metadata()  # every kind of field, four tensors of it (CI time)
+    keep = {"bytes", "t0", "t1", "t2", "t3"}
+    metadata.state_dict_metadata = {k: v for k, v in metadata.state_dict_metadata.items() if k in keep}
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn in keep}
+    metadata.planner_data = {k: v for k, v in metadata.planner_data.items() if k in keep}
+    data = pickle.dumps(metadata, protocol=4)
+    rng = random.Random(44)
+    refused = 0
+    for trial in range(600):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        if trial % 10 == 0:
+            damaged = damaged[:rng.randrange(len(damaged))]
+        try:
+            read_metadata_bytes(bytes(damaged))
+        except RefusedCheckpointData as err:
+            refused += 1
+            assert "\n" not in str(err), str(err)
+    assert refused > 300, refused  # most damage is caught
+
+
+def test_the_trust_pages_table_of_attacks_matches_these_tests() -> None:
+    """``docs/checkpoint-trust.md``'s table names each attack's test: every test there exists, and
+    every test of this file but the control is there."""
+    import re
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint-trust.md").read_text()
+    table = page.split("## The attacks, and what stops each", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(test_\w+)`", table))
+    here = set(re.findall(r"^def (test_\w+)\(", Path(__file__).read_text(), flags=re.M))
+    expected = here - {"test_a_clean_copy_loads", "test_the_trust_pages_table_of_attacks_matches_these_tests"}
+    assert listed - here == set(), f"the page names tests this file lacks: {sorted(listed - here)}"
+    assert expected - listed == set(), f"the page's table lacks: {sorted(expected - listed)}"

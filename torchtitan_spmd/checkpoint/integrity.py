@@ -10,7 +10,10 @@ Used by :mod:`torchtitan_spmd.checkpoint.manager`; nothing here knows the traine
   re-hash the files the rank of its number (modulo the world size) wrote, before DCP reads
   anything, and every rank learns every problem. (DCP itself checks nothing: a shard file
   with flipped tensor bytes loads wrong weights without a word. No library does this, so
-  it is hand-rolled; ``zlib``/``hashlib`` do the hashing.)
+  it is hand-rolled; ``zlib``/``hashlib`` do the hashing.) The marker's names are checked
+  (:func:`marker_files_problem`: plain file names of the folder, whole sizes and ranks) and
+  each file is opened by ``_safe_files.open_inside`` and hashed up to its opened size only:
+  a link, a FIFO or ``/dev/zero`` named there is refused, not followed or read forever.
 - **One-line errors.** :class:`CheckpointLoadError` (a ``ValueError``: the trainer prints it
   as ``error: ...`` and exits 2) reads ``checkpoint step-N: <what> (<file>)``;
   :func:`describe_load_failure` turns a DCP or torch exception into that ``<what>`` and

@@ -36,12 +36,17 @@ error, no permission, read-only folder) raises :class:`CheckpointSaveError` on e
 naming the folder and the errno, with the ``.partial`` folder removed and the previous
 checkpoint untouched.
 
-Trust (:mod:`.safe_metadata`, ``docs/checkpoint-trust.md``): loading a folder runs none of its
-author's code. Every load (resume, ``load_step``, ``initial_load_path``, seed, PP, EP) reads DCP's
-``.metadata`` with a restricted unpickler and the non-tensor items with
-``torch.load(weights_only=True)``; any other global stops the start in one line,
-``checkpoint step-N: .metadata refers to os.system, which a checkpoint may not load (<file>)``.
-``checkpoint.trust_checkpoint_folder`` reads as DCP does, with a warning naming the folder.
+Trust (:mod:`.safe_metadata`, ``docs/checkpoint-trust.md``): loading a folder someone else
+wrote runs none of its code, reads nothing outside it, changes nothing in the process and cannot
+crash or hang it. Every load (resume, ``load_step``, ``initial_load_path``, seed, PP, EP) opens
+each file through ``_safe_files.open_inside`` (a regular file of the folder, no link followed),
+reads DCP's ``.metadata`` with a restricted decoder and the non-tensor items with
+``torch.load(weights_only=True)``, bounded and checked against the states they replace (the
+learning-rate schedule's fields and the step at load, :class:`_Checked`); the marker is read
+by ``read_json_inside`` and type-checked (:func:`marker_problem`). Anything refused stops the
+start in one line, ``checkpoint step-N: .metadata refers to os.system, which a checkpoint may
+not load (<file>)``. ``checkpoint.trust_checkpoint_folder`` unpickles as DCP does, with a
+warning naming the folder.
 
 Differences from torchtitan, each deliberate: a load finds "the latest *complete*
 checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is

@@ -15,7 +15,7 @@ whoever wrote the folder wrote their record.
 
 This module closes each (``docs/checkpoint-trust.md`` has the table of attacks):
 
-- :class:`MetadataUnpickler` reads ``.metadata`` (``pickle``'s pure-Python unpickler with
+- :class:`MetadataUnpickler` reads ``.metadata`` (a pickle decoder over its bytes, with
   its opcodes restricted): only the globals of :data:`ALLOWED_GLOBALS` resolve (anything
   else is refused *before* it is imported); a call (REDUCE, NEWOBJ) only of those; BUILD
   (which sets attributes) only on an *instance* of DCP's metadata classes, with plain
@@ -23,10 +23,11 @@ This module closes each (``docs/checkpoint-trust.md`` has the table of attacks):
   ``pathlib.PurePosixPath.__truediv__`` replaced); append and set-item only on real lists
   and dicts. Then :func:`check_metadata` checks every field's type: a ``relative_path``
   must be a ``str`` plain file name (not a ``pathlib`` path).
-- :func:`check_pickle_bounds` bounds every pickle read (``.metadata``, and each item's
-  ``data.pkl`` before ``torch.load``): nesting at most :data:`MAX_DEPTH` deep and at most
+- every pickle read is bounded: nesting at most :data:`MAX_DEPTH` deep and at most
   :data:`MAX_OPS` opcodes, so no hash or comparison of what it builds can overflow the C
-  stack.
+  stack (:class:`MetadataUnpickler` tracks it as it builds; :func:`check_pickle_bounds`
+  walks each item's ``data.pkl`` before ``torch.load``, and a trusted ``.metadata`` before
+  plain ``pickle``).
 - :class:`RestrictedReader` (DCP's ``FileSystemReader``) opens ``.metadata`` and every shard
   file through :func:`torchtitan_spmd._safe_files.open_inside` (a regular file of the
   folder, no link followed) and checks each item's offset and length against the opened
@@ -48,8 +49,8 @@ and the bounds stay on (no real checkpoint trips them).
 
 Hand-rolled because torch has no restricted reader for DCP's metadata (``weights_only``
 covers ``torch.load`` only, and its allow-list lacks DCP's classes), and neither it nor
-``pickle`` bounds nesting or restricts BUILD: ``pickle._Unpickler``'s opcode table is what
-gets restricted (the C unpickler's opcodes cannot be).
+``pickle`` bounds nesting or restricts BUILD (the C unpickler's opcodes cannot be
+restricted; ``docs/checkpoint-trust.md`` says why each check is there).
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ def _may_be_newer_dcp_class(refused: str) -> bool:
 
 
 def _refusal(file: str, where: str, refused: str) -> RefusedCheckpointData:
+    if not refused.isprintable() or len(refused) > 200:  # a crafted name: one line, bounded
+        refused = repr(refused[:200])
     hint = ""
     if _may_be_newer_dcp_class(refused):
         hint = ("; if a newer torch wrote it and you trust whoever wrote the folder, "
