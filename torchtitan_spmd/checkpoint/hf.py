@@ -278,10 +278,11 @@ def _safe_reader_class() -> type:
         TensorStorageMetadata,
     )
 
-    def opened(folder: str, raw: Any) -> Any:
+    def opened(folder: str, name: str, raw: Any) -> Any:
+        """``safe_open`` of the file ``raw`` (opened by ``open_inside``): through ``/proc/self/fd``,
+        so the file checked is the file read (by its name where there is no ``/proc``)."""
         proc = f"/proc/self/fd/{raw.fileno()}"
-        return safe_open(proc if os.path.exists(proc) else os.path.join(folder, os.path.basename(raw.name)),
-                         framework="pt")
+        return safe_open(proc if os.path.exists(proc) else os.path.join(folder, name), framework="pt")
 
     class SafeHuggingFaceReader(HuggingFaceStorageReader):
         def read_metadata(self) -> Metadata:  # type: ignore[override]
@@ -294,7 +295,7 @@ def _safe_reader_class() -> type:
             for name in (n for n in list_inside(folder) if n.endswith(_SUFFIX)):
                 with open_inside(folder, name) as raw:
                     try:
-                        with opened(folder, raw) as f:
+                        with opened(folder, name, raw) as f:
                             keys = list(f.keys())
                             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
                             dtypes = {k: _getdtype(f.get_slice(k).get_dtype()) for k in keys}
@@ -332,7 +333,7 @@ def _safe_reader_class() -> type:
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
             for name, items in per_file.items():
-                with open_inside(folder, name) as raw, opened(folder, raw) as f:
+                with open_inside(folder, name) as raw, opened(folder, name, raw) as f:
                     for item in items:
                         self._process_read_request(f, item, planner)
             future: Future[None] = Future()

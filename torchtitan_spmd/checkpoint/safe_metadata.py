@@ -91,6 +91,7 @@ __all__ = [
     "allowed_objects",
     "check_metadata",
     "check_pickle_bounds",
+    "check_torch_item",
     "read_metadata_bytes",
 ]
 
