@@ -10,7 +10,11 @@ One process trains 1 step of ``--model``/``--flavor`` and saves a full checkpoin
 AdamW, scheduler, data position, step, RNG); then, from the bytes in memory (no disk in the
 timing), each reader parses ``.metadata`` ``--rounds`` times, interleaved, and the table gives
 the median and the ratio. The items line: every non-tensor item of the checkpoint through
-``torch.load`` both ways, per round.
+``torch.load`` both ways, per round (restricted: with the zip and depth checks first).
+
+The plain ``pickle`` and ``weights_only=False`` reads are DCP's own, timed as the baseline on
+the bytes this script has just written in its own temporary folder; every other read goes
+through the restricted path (``RestrictedReader``, ``open_inside``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from torchtitan_spmd.checkpoint.safe_metadata import read_metadata_bytes  # noqa: E402
+from torchtitan_spmd._safe_files import open_inside  # noqa: E402
+from torchtitan_spmd.checkpoint.safe_metadata import (  # noqa: E402
+    RestrictedReader,
+    check_torch_item,
+    read_metadata_bytes,
+)
 from torchtitan_spmd.config import JobConfig  # noqa: E402
 
 
@@ -51,16 +60,25 @@ def _save(folder: str, model: str, flavor: str) -> Path:
 
 
 def _items(step: Path) -> list[bytes]:
-    metadata = pickle.loads((step / ".metadata").read_bytes())  # our own file, just written
+    """The bytes of every non-tensor item, found through the restricted reader (as the trainer)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    metadata = RestrictedReader(str(step)).read_metadata()
     out = []
     for index, info in metadata.storage_data.items():
         if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            with open(step / info.relative_path, "rb") as f:
+            with open_inside(step, info.relative_path) as f:
                 f.seek(info.offset)
                 out.append(f.read(info.length))
     return out
+
+
+def _restricted_item(item: bytes) -> object:
+    """What :class:`RestrictedLoadPlanner` does per item: the zip and depth checks, then
+    ``torch.load(weights_only=True)``."""
+    stream = io.BytesIO(item)
+    check_torch_item(stream, "item")
+    return torch.load(stream, weights_only=True)
 
 
 def main() -> None:
@@ -85,12 +103,12 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
             for weights_only in (False, True):
                 start = time.perf_counter()
-                for item in items:
-                    torch.load(io.BytesIO(item), weights_only=weights_only)
+                for item in items:  # DCP's load_bytes, or the restricted planner's
+                    _restricted_item(item) if weights_only else torch.load(io.BytesIO(item), weights_only=False)
                 times[f"items {weights_only}"].append(time.perf_counter() - start)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
-        n_keys = len(pickle.loads(data).state_dict_metadata)
+        n_keys = len(read_metadata_bytes(data).state_dict_metadata)
         print(f"torch {torch.__version__}; {args.model}/{args.flavor}: .metadata {len(data):,} bytes, {n_keys} keys, "
               f"{len(items)} non-tensor items; {args.rounds} rounds, interleaved")
         print("| read | plain: median / min (ms) | restricted: median / min (ms) | ratio of medians |")

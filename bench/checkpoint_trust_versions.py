@@ -11,16 +11,19 @@ run under another torch's interpreter with this tree on ``PYTHONPATH``::
 strings, None, lists, tuples, dicts), a model's and AdamW's state through
 ``get_model_state_dict``/``get_optimizer_state_dict`` (flattened, as the trainer saves them),
 a LambdaLR's state, sharded DTensors from 2 gloo ranks (``dcp.save``) and the same with
-``dcp.async_save``. ``read`` reads each ``.metadata`` with the restricted unpickler and with
-plain pickle (they must be equal), loads every item through ``RestrictedReader`` and
-``RestrictedLoadPlanner`` (one process), and prints each global the files name, by how many
-files name it, and whether the allow-list has it. Exit 1 if any file fails.
+``dcp.async_save``. ``read`` reads each ``.metadata`` only through the trainer's restricted
+path (``RestrictedReader``: a regular file of its folder, the restricted unpickler, the type
+check; never plain pickle, so a hostile folder runs nothing here), loads every item through
+``RestrictedReader`` and ``RestrictedLoadPlanner`` (one process), and prints each global the
+files name, by how many files name it, and whether the allow-list has it. Exit 1 if any file
+is refused. (That the restricted read equals plain pickle's on what DCP writes is
+``tests/layer3_runtime/test_checkpoint_trust.py``'s test, on objects the test builds.)
 """
 
 from __future__ import annotations
 
+import io
 import os
-import pickle
 import sys
 import tempfile
 from collections import Counter
@@ -31,11 +34,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torchtitan_spmd._safe_files import read_inside
 from torchtitan_spmd.checkpoint.safe_metadata import (
+    MAX_METADATA_BYTES,
+    MetadataUnpickler,
+    RefusedCheckpointData,
     RestrictedLoadPlanner,
     RestrictedReader,
     allowed_objects,
-    read_metadata_bytes,
+    check_metadata,
+    check_pickle_bounds,
 )
 
 
@@ -96,7 +104,9 @@ def write(out: str) -> None:
     print(f"torch {torch.__version__}: wrote {sorted(os.listdir(out))} under {out}")
 
 
-class _Recording(pickle.Unpickler):
+class _Recording(MetadataUnpickler):
+    """The restricted unpickler, counting each global it is asked for (allowed or not)."""
+
     def __init__(self, f: Any, seen: Counter[tuple[str, str]]) -> None:
         super().__init__(f)
         self.seen = seen
@@ -110,40 +120,55 @@ def _load_all(folder: Path, metadata: Any) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     state: dict[str, Any] = {}
+    declared = 0
     for key, entry in metadata.state_dict_metadata.items():
-        state[key] = (torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-                      if isinstance(entry, TensorStorageMetadata) else None)
+        if isinstance(entry, TensorStorageMetadata):
+            shape = tuple(entry.size)
+            declared += torch.Size(shape).numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
+            state[key] = shape, entry.properties.dtype
+        else:
+            state[key] = None
+    stored = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+    if declared > 4 * stored + (1 << 20):  # a folder declaring more tensor bytes than it holds: not allocated
+        raise ValueError(f"declares {declared} tensor bytes in {stored} bytes of files")
+    state = {k: torch.empty(v[0], dtype=v[1]) if v is not None else None for k, v in state.items()}
     dcp.load(state, storage_reader=RestrictedReader(str(folder)), planner=RestrictedLoadPlanner(), no_dist=True)
 
 
 def read(folders: list[str]) -> int:
-    """Read every ``.metadata`` under ``folders``; the table of globals; 1 if the allow-list missed any.
+    """Read every ``.metadata`` under ``folders`` through the trainer's restricted path; the table
+    of globals; 1 if any was refused (the allow-list missed a global) or none was found.
 
-    A file plain pickle cannot read either (a test's deliberately damaged checkpoint) is
-    counted as damaged; a folder whose items fail to load after its metadata read (a test's
-    truncated shard file) is listed, not failed.
+    Nothing here runs a file's code: each ``.metadata`` is opened as a regular file of its
+    folder (no link followed) and read only by the restricted unpickler (counting the globals
+    it is asked for, allowed or not), then by ``RestrictedReader`` as the trainer reads it,
+    and its items are loaded through ``RestrictedReader`` and ``RestrictedLoadPlanner``. A
+    file that is not a pickle at all (a test's deliberately damaged checkpoint) is counted as
+    damaged; a folder whose items fail to load after its metadata read (a test's truncated
+    shard file) is listed, not failed.
     """
     seen: Counter[tuple[str, str]] = Counter()
-    files, ok, damaged, missed, unloadable = 0, 0, [], [], []
+    files, ok, damaged, refused, unloadable = 0, 0, [], [], []
     for root in folders:
         for path in sorted(Path(root).rglob(".metadata")):
+            if path.is_symlink() or not path.is_file():
+                damaged.append(f"{path}: not a regular file")
+                continue
             files += 1
-            data = path.read_bytes()
             local: Counter[tuple[str, str]] = Counter()
             try:
-                with open(path, "rb") as f:
-                    plain = _Recording(f, local).load()
+                data = read_inside(path.parent, path.name, MAX_METADATA_BYTES)
+                check_pickle_bounds(data, path.name, path.name)
+                check_metadata(_Recording(io.BytesIO(data), local).load(), path.name)
+                mine = RestrictedReader(str(path.parent)).read_metadata()  # the trainer's own read
+            except RefusedCheckpointData as err:
+                seen.update(set(local))
+                (refused if err.refused else damaged).append(f"{path}: {err}")
+                continue
             except Exception as err:  # noqa: BLE001 - a damaged file
-                damaged.append(f"{path}: {type(err).__name__}")
+                damaged.append(f"{path}: {type(err).__name__}: {err}")
                 continue
             seen.update(set(local))  # files naming each, not occurrences
-            try:
-                mine = read_metadata_bytes(data)
-                assert (mine.state_dict_metadata, mine.planner_data, mine.storage_data) == (
-                    plain.state_dict_metadata, plain.planner_data, plain.storage_data), "differs from plain pickle"
-            except Exception as err:  # noqa: BLE001 - the allow-list missed something
-                missed.append(f"{path}: {type(err).__name__}: {err}")
-                continue
             ok += 1
             try:
                 _load_all(path.parent, mine)
@@ -152,20 +177,20 @@ def read(folders: list[str]) -> int:
                     raise
                 unloadable.append(f"{path.parent}: {type(err).__name__}")
     allowed = allowed_objects()
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}: {files} .metadata files: {ok} read as plain "
-          f"pickle reads them, {len(missed)} refused that plain pickle reads, {len(damaged)} damaged (plain pickle "
-          f"fails too); items loaded through RestrictedLoadPlanner in {ok - len(unloadable)} of {ok}")
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}: {files} .metadata files: {ok} read by the "
+          f"restricted reader, {len(refused)} refused (a global the allow-list lacks), {len(damaged)} damaged or "
+          f"malformed; items loaded through RestrictedLoadPlanner in {ok - len(unloadable)} of {ok}")
     print("| global | files naming it | allowed |")
     print("|---|---|---|")
     for (module, name), count in sorted(seen.items()):
         print(f"| `{module}.{name}` | {count} | {'yes' if (module, name) in allowed else 'NO'} |")
-    for line in missed:
-        print("MISSED", line)
+    for line in refused:
+        print("REFUSED", line)
     for line in damaged:
         print("damaged", line)
     for line in unloadable:
         print("items not loaded", line)
-    return 1 if missed or not files else 0
+    return 1 if refused or not files else 0
 
 
 if __name__ == "__main__":

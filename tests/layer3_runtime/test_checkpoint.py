@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +175,8 @@ def _errors(rank: int, world: int, root: str, two_rank_root: str) -> dict[str, s
     os.makedirs(os.path.join(empty, "not-a-checkpoint"))
     from_two = os.path.join(root, "from-two")
     os.makedirs(os.path.join(from_two, "checkpoint"))
-    os.symlink(os.path.join(two_rank_root, "checkpoint", "step-4"), os.path.join(from_two, "checkpoint", "step-4"))
+    # a copy: a linked step folder is refused (no link in a checkpoint is followed: test_checkpoint_hostile.py)
+    shutil.copytree(os.path.join(two_rank_root, "checkpoint", "step-4"), os.path.join(from_two, "checkpoint", "step-4"))
     trainer = Trainer(ck_config("default", "single", root, enable=False))
     weights = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     trainer.close()

@@ -122,8 +122,12 @@ def test_any_other_global_is_refused_before_it_runs(tmp_path: Path) -> None:
     for obj, name in ((eval, "builtins.eval"), (getattr, "builtins.getattr"), (shutil.rmtree, "shutil.rmtree"),
                       (set, "builtins.set"), (torch.load, "torch.serialization.load")):
         assert _refusal(pickle.dumps(obj)).refused == name
-    # a torch name may be a newer torch's class: the line says how to load it if trusted
-    assert "--checkpoint.trust_checkpoint_folder" in str(_refusal(pickle.dumps(torch.load)))
+    # only a DCP class name may be a newer torch's: the line says how to load it if trusted
+    newer = b"\x80\x04c" + b"torch.distributed.checkpoint.metadata\nNewerStorageMetadata\n)\x81."
+    assert str(_refusal(newer)).endswith(
+        "if a newer torch wrote it and you trust whoever wrote the folder, --checkpoint.trust_checkpoint_folder loads it")
+    # never for a global that runs code, torch's or any other's
+    assert "trust" not in str(_refusal(pickle.dumps(torch.load)))
     assert "trust" not in str(_refusal(payload(flag)))
     assert not flag.exists()
 
@@ -191,7 +195,9 @@ def test_no_torch_load_in_the_library_reads_with_weights_only_false() -> None:
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 weights_only = {k.arg: ast.unparse(k.value) for k in node.keywords}.get("weights_only")
                 calls.append((path.relative_to(root).as_posix(), weights_only))
-    assert calls == [("checkpoint/safe_metadata.py", "not self.trust_folder")], calls
+    # the shard reader's tensors (DCP's own call, now bounded) and the planner's non-tensor items
+    assert sorted(calls) == [("checkpoint/safe_metadata.py", "True"),
+                             ("checkpoint/safe_metadata.py", "not self.trust_folder")], calls
 
 
 # ------------------------------------------------------------------ the trainer, 2 gloo ranks
@@ -221,11 +227,17 @@ def _poison_metadata(folder: Path, flag: Path, *, legacy: bool = False) -> None:
 def _poison_item(folder: Path, flag: Path, fqn: str = "train_state.step") -> str:
     """Replace the non-tensor item ``fqn`` in its shard file with a ``torch.save`` of an
     ``os.system`` call, shift the later items, rewrite ``.metadata`` and the marker."""
+    return _replace_item(folder, fqn, _System(f"touch {flag}"))
+
+
+def _replace_item(folder: Path, fqn: str, obj: Any) -> str:
+    """Replace the non-tensor item ``fqn`` in its shard file with a ``torch.save`` of ``obj``,
+    shift the later items, rewrite ``.metadata`` and the marker; the shard file's name."""
     metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own test's file: plain pickle
     index = next(i for i in metadata.storage_data if i.fqn == fqn)
     info = metadata.storage_data[index]
     buf = io.BytesIO()
-    torch.save(_System(f"touch {flag}"), buf)
+    torch.save(obj, buf)
     data = (folder / info.relative_path).read_bytes()
     new = buf.getvalue()
     (folder / info.relative_path).write_bytes(data[:info.offset] + new + data[info.offset + info.length:])
@@ -308,3 +320,51 @@ def test_a_poisoned_checkpoint_runs_nothing_on_any_load_path(saved: Path, tmp_pa
             assert r[name].get("loaded", {}).get("step") == 4 and r[name]["start_step"] == 4, r[name]
     assert not any("trust_checkpoint_folder" in m for m in per_rank[0]["clean"]["log"])
     assert any("trust_checkpoint_folder is set" in m for m in per_rank[0]["clean_trusted"]["log"])
+
+
+@pytest.mark.multiproc
+def test_a_hostile_folder_stops_every_rank_in_one_line(saved: Path, tmp_path: Path) -> None:
+    """Issue 44's findings on 2 ranks (one process each: test_checkpoint_hostile.py): a shard
+    file that is a link (an unverified marker, so DCP's own read meets it), a marker that is a
+    FIFO, a learning-rate schedule with an unknown decay. Every rank stops with exit 2 and one
+    line naming the file (rank 0's decision printed once, or every rank's own line); none
+    hangs or loads."""
+    cases, files = [], {}
+
+    def case(name: str, poison: Any) -> None:
+        folder = tmp_path / name / "checkpoint"
+        for step in (2, 4):
+            shutil.copytree(saved / f"step-{step}", folder / f"step-{step}")
+        files[name] = poison(folder / "step-4")
+        cases.append((name, "job", cfg(str(tmp_path / name), steps=6), []))
+
+    def link(step: Path) -> Path:
+        outside = step.parent.parent / "outside.distcp"
+        (step / "__1_0.distcp").rename(outside)
+        (step / "__1_0.distcp").symlink_to(outside)
+        marker = _marker(step)
+        del marker["files"], marker["hash"]
+        (step / COMPLETE_MARKER).write_text(json.dumps(marker))
+        return step / "__1_0.distcp"
+
+    def fifo(step: Path) -> Path:
+        (step / COMPLETE_MARKER).unlink()
+        os.mkfifo(step / COMPLETE_MARKER)
+        return step / COMPLETE_MARKER
+
+    def decay(step: Path) -> Path:
+        return step / _replace_item(step, "lr_scheduler.lr_lambdas.0.decay_type", "evil")
+
+    case("link", link)
+    case("fifo", fifo)
+    case("decay", decay)
+    per_rank = run_starts(cases)
+    expect = {"link": "__1_0.distcp is a symbolic link", "fifo": "its .complete marker is a FIFO (named pipe)",
+              "decay": "the item 'lr_scheduler.lr_lambdas.0.decay_type' holds decay_type 'evil'"}
+    for name, needle in expect.items():
+        lines = [line for r in per_rank for line in r[name]["stderr"]]
+        assert all(r[name]["status"] == 2 for r in per_rank), (name, per_rank)
+        assert lines and all(line.startswith("error: checkpoint step-4: ") and needle in line
+                             and line.endswith(f"({files[name]})") for line in lines), (name, lines)
+        assert all(len(r[name]["stderr"]) <= 1 for r in per_rank), (name, per_rank)
+        assert not any("checkpoint: loaded" in m for r in per_rank for m in r[name]["log"]), name

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from torchtitan_spmd._errors import MissingExtraError
+from torchtitan_spmd._safe_files import UnsafeFile, list_inside, open_inside
 from torchtitan_spmd.models.hf_config import _CONFIG, require_safetensors
 
 from .safe_metadata import RestrictedLoadPlanner
@@ -259,24 +260,142 @@ def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAd
                          f"{adapter.model_type} model lacks ({len(extra)} such tensors).")
 
 
+def _safe_reader_class() -> type:
+    """:class:`~torch.distributed.checkpoint.HuggingFaceStorageReader` opening every file through
+    :func:`~torchtitan_spmd._safe_files.open_inside` (a regular file of the folder, no link
+    followed: a FIFO named ``*.safetensors`` is refused, not waited on), and checking the
+    ``DCP_SHARDING_INFO`` JSON a file's header may carry (DCP's own reader indexes it
+    unchecked: ``"{}"`` is a ``KeyError``). ``safetensors`` (Rust) parses each header and
+    bounds every tensor by its file; it opens the already opened file (``/proc/self/fd``)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def opened(folder: str, name: str, raw: Any) -> Any:
+        """``safe_open`` of the file ``raw`` (opened by ``open_inside``): through ``/proc/self/fd``,
+        so the file checked is the file read (by its name where there is no ``/proc``)."""
+        proc = f"/proc/self/fd/{raw.fileno()}"
+        return safe_open(proc if os.path.exists(proc) else os.path.join(folder, name), framework="pt")
+
+    class SafeHuggingFaceReader(HuggingFaceStorageReader):
+        def read_metadata(self) -> Metadata:  # type: ignore[override]
+            from safetensors.torch import _getdtype
+            from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+
+            folder = str(self.path)
+            entries: dict[str, TensorStorageMetadata] = {}
+            storage: dict[MetadataIndex, Any] = {}
+            for name in (n for n in list_inside(folder) if n.endswith(_SUFFIX)):
+                with open_inside(folder, name) as raw:
+                    try:
+                        with opened(folder, name, raw) as f:
+                            keys = list(f.keys())
+                            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+                            dtypes = {k: _getdtype(f.get_slice(k).get_dtype()) for k in keys}
+                            extra = f.metadata() or {}
+                    except Exception as err:  # noqa: BLE001 - safetensors' error types vary by version
+                        raise UnsafeFile(folder, name, f"is not a safetensors file ({_line(err)})") from None
+                offsets = _sharding_info(folder, name, extra.get(_SHARDING), shapes)
+                for key in keys:
+                    shape, offset = shapes[key], offsets.get(key, (0,) * len(shapes[key]))
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape))
+                    if key not in entries:
+                        entries[key] = TensorStorageMetadata(
+                            properties=TensorProperties(dtype=dtypes[key]),
+                            size=torch.Size([s + o for s, o in zip(shape, offset, strict=True)]), chunks=[chunk])
+                    else:
+                        size = entries[key].size
+                        if len(size) != len(shape):
+                            raise UnsafeFile(folder, name, f"holds {key!r} with {len(shape)} dimensions, another "
+                                                           f"file with {len(size)}")
+                        entries[key].chunks.append(chunk)
+                        entries[key].size = torch.Size([max(n, s + o) for n, s, o in zip(size, shape, offset,
+                                                                                          strict=True)])
+                    storage[MetadataIndex(fqn=key, offset=list(offset))] = _HFStorageInfo(
+                        relative_path=name, shape=torch.Size(shape), dtype=dtypes[key])
+            metadata = Metadata(state_dict_metadata=entries, storage_data=storage)  # type: ignore[arg-type]
+            metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:  # noqa: D102 - HuggingFaceStorageReader's
+            from torch.futures import Future
+
+            folder = str(self.path)
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in per_file.items():
+                with open_inside(folder, name) as raw, opened(folder, name, raw) as f:
+                    for item in items:
+                        self._process_read_request(f, item, planner)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+    return SafeHuggingFaceReader
+
+
+_SHARDING = "DCP_SHARDING_INFO"
+
+
+def _line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())[:200]
+
+
+def _sharding_info(folder: str, name: str, text: Any, shapes: Mapping[str, tuple[int, ...]]
+                   ) -> dict[str, tuple[int, ...]]:
+    """The offsets per tensor that a file's ``DCP_SHARDING_INFO`` (DCP's sharded HF save)
+    records, checked: a JSON object with an entry of ``saved_offsets`` (whole numbers, one
+    per dimension) for every tensor of the file. None recorded: ``{}``."""
+    if not text:
+        return {}
+    def bad(what: str) -> UnsafeFile:
+        return UnsafeFile(folder, name, f"has a {_SHARDING} header entry that {what}")
+
+    try:
+        info = json.loads(text) if isinstance(text, str) else None
+    except RecursionError:
+        raise bad("nests too deep (RecursionError)") from None
+    except ValueError as err:
+        raise bad(f"is not valid JSON ({_line(err)})") from None
+    if not isinstance(info, dict):
+        raise bad(f"is a JSON {type(info).__name__}, not an object of tensors")
+    out: dict[str, tuple[int, ...]] = {}
+    for key, shape in shapes.items():
+        entry = info.get(key)
+        offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != len(shape)
+                or not all(type(o) is int and o >= 0 for o in offsets)):
+            raise bad(f"has no saved_offsets for {key!r} (whole numbers, one per dimension of {shape})")
+        out[key] = tuple(offsets)
+    return out
+
+
 @torch.no_grad()
 def load_hf(model_state: dict[str, Any], folder: str, adapter: StateDictAdapter) -> None:
     """Fill ``model_state`` (our names; DTensors of global shape or full tensors) from the HF
-    safetensors in ``folder``, each rank reading only its shards."""
+    safetensors in ``folder``, each rank reading only its shards (every file through
+    :func:`~torchtitan_spmd._safe_files.open_inside`)."""
     require_safetensors()
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    if not os.path.isdir(folder) or not any(n.endswith(_SUFFIX) for n in os.listdir(folder)):
+    if not os.path.isdir(folder) or not any(n.endswith(_SUFFIX) for n in list_inside(folder)):
         what = "does not exist" if not os.path.exists(folder) else (
             "is not a folder" if not os.path.isdir(folder) else
-            f"has no {_SUFFIX} file (contents: {sorted(os.listdir(folder))[:8]})")
+            f"has no {_SUFFIX} file (contents: {list_inside(folder)[:8]})")
         raise ValueError(f"checkpoint.initial_load_path={folder!r} is not a Hugging Face checkpoint: it {what}.")
     hf_state, after, names = _hf_state(model_state, adapter, fill=False)
-    reader = HuggingFaceStorageReader(folder)
-    _check_folder(folder, hf_state, adapter, reader.read_metadata().state_dict_metadata, names)
-    # DCP's HF reader reads the safetensors headers (JSON), no pickle; the planner reads any
-    # non-tensor item with torch.load(weights_only=True) (an HF folder holds none)
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(folder), planner=RestrictedLoadPlanner())
+    reader_class = _safe_reader_class()
+    _check_folder(folder, hf_state, adapter, reader_class(folder).read_metadata().state_dict_metadata, names)
+    # the safetensors headers are JSON (no pickle); the planner reads any non-tensor item with
+    # torch.load(weights_only=True) (an HF folder holds none)
+    dcp.load(hf_state, storage_reader=reader_class(folder), planner=RestrictedLoadPlanner())
     for fixup in after:
         fixup()
 

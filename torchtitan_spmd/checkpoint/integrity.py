@@ -10,7 +10,10 @@ Used by :mod:`torchtitan_spmd.checkpoint.manager`; nothing here knows the traine
   re-hash the files the rank of its number (modulo the world size) wrote, before DCP reads
   anything, and every rank learns every problem. (DCP itself checks nothing: a shard file
   with flipped tensor bytes loads wrong weights without a word. No library does this, so
-  it is hand-rolled; ``zlib``/``hashlib`` do the hashing.)
+  it is hand-rolled; ``zlib``/``hashlib`` do the hashing.) The marker's names are checked
+  (:func:`marker_files_problem`: plain file names of the folder, whole sizes and ranks) and
+  each file is opened by ``_safe_files.open_inside`` and hashed up to its opened size only:
+  a link, a FIFO or ``/dev/zero`` named there is refused, not followed or read forever.
 - **One-line errors.** :class:`CheckpointLoadError` (a ``ValueError``: the trainer prints it
   as ``error: ...`` and exits 2) reads ``checkpoint step-N: <what> (<file>)``;
   :func:`describe_load_failure` turns a DCP or torch exception into that ``<what>`` and
@@ -34,6 +37,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from torchtitan_spmd._safe_files import UnsafeFile, file_size, name_problem, open_inside
+
 from .safe_metadata import RefusedCheckpointData, RestrictedReader
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "failed_rank",
     "file_digest",
     "gather_file_records",
+    "marker_files_problem",
     "save_failure",
     "verify_checkpoint",
 ]
@@ -86,19 +92,24 @@ def file_digest(path: str, algorithm: str | None = None) -> tuple[int, str]:
     """``(size in bytes, hex digest)`` of the file at ``path`` (read in 8 MiB chunks) with
     ``algorithm`` (default :data:`HASH_ALGORITHM`).
 
-    Raises ``ValueError`` for an unknown ``algorithm`` (the choices: ``crc32``, ``blake2b``)
-    and ``OSError`` when the file cannot be read.
+    Raises ``ValueError`` for an unknown ``algorithm`` (the choices: ``crc32``, ``blake2b``),
+    :class:`~torchtitan_spmd._safe_files.UnsafeFile` (a ``ValueError``) when the path is a
+    link or not a regular file, and ``OSError`` when the file cannot be read.
     """
     algorithm = algorithm or HASH_ALGORITHM
     if algorithm not in _HASHES:
         raise ValueError(f"unknown checkpoint hash {algorithm!r}; known: {', '.join(_HASHES)}.")
     digest, size = _HASHES[algorithm](), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size)))
+    # opened as a file of its folder (no link followed, a regular file: a FIFO or a device
+    # named here is refused, not read forever); at most the size it had when opened is read
+    with open_inside(os.path.dirname(path) or ".", os.path.basename(path)) as f:
+        left = file_size(f)
+        buf = bytearray(max(1, min(_CHUNK, left)))
         view = memoryview(buf)
-        while n := f.readinto(buf):
+        while left > 0 and (n := f.readinto(view[:min(left, len(buf))])):
             digest.update(view[:n])
             size += n
+            left -= n
     return size, digest.hexdigest()
 
 
@@ -214,6 +225,8 @@ class NamingReader(RestrictedReader):
                 future.wait()
             except RefusedCheckpointData as err:  # a non-tensor item naming a global it may not
                 raise err.in_file(relative) from None
+            except UnsafeFile:  # a link, a FIFO, a device: named by the file already
+                raise
             except Exception as err:  # noqa: BLE001 - torch's reader raises anything; name the file
                 raise _FileReadError(relative, _what(err)) from err
         return future
@@ -243,6 +256,8 @@ def describe_load_failure(err: BaseException, path: str) -> tuple[str, str]:
     inner = _innermost(err)
     if isinstance(inner, RefusedCheckpointData):
         return inner.what, os.path.join(path, inner.file) if inner.file else path
+    if isinstance(inner, UnsafeFile):
+        return inner.line, inner.path
     if isinstance(inner, _FileReadError):
         return f"reading it failed: {inner.what}", os.path.join(path, inner.file)
     if isinstance(inner, OSError) and inner.filename:
@@ -282,19 +297,28 @@ def agree_on_errors(error: Any, rank: int, world_size: int,
 
 # ====================================================================================== verify
 def _check_file(path: str, name: str, want: Mapping[str, Any], algorithm: str) -> str | None:
+    if name_problem(name) is not None:  # the marker's check refused it already
+        return f"{name_problem(name)}"
     full = os.path.join(path, name)
     try:
-        size = os.path.getsize(full)
+        with open_inside(path, name) as f:
+            size = file_size(f)
     except FileNotFoundError:
         return "is missing"
+    except UnsafeFile as err:
+        return err.what
     except OSError as err:
         return f"cannot be read ({_what(err)})"
     if size != want.get("size"):
         return f"has {size} bytes, its record {want.get('size')} (cut short or overwritten?)"
     try:
-        _, digest = file_digest(full, algorithm)
+        read, digest = file_digest(full, algorithm)
+    except UnsafeFile as err:
+        return err.what
     except OSError as err:
         return f"cannot be read ({_what(err)})"
+    if read != size:
+        return f"changed size while it was read ({size} bytes, then {read})"
     if digest != want.get(algorithm):
         return f"has {algorithm} {digest}, its record {want.get(algorithm)} (same size: bytes changed)"
     return None
@@ -308,19 +332,51 @@ def local_problems(path: str, record: Mapping[str, Any], rank: int, world_size: 
     if files is None:
         return None
     algorithm = record.get("hash", HASH_ALGORITHM)
-    if not isinstance(files, dict) or algorithm not in _HASHES or _METADATA not in files:
-        return [(COMPLETE_NAME, f"its file records are malformed (hash {algorithm!r}, "
-                                f"{type(files).__name__} of files)")] if rank == 0 else []
+    problem = marker_files_problem(record)
+    if problem is not None:
+        return [(COMPLETE_NAME, problem)] if rank == 0 else []
     problems = []
     for name in sorted(files):
         want = files[name]
-        if not isinstance(want, dict) or int(want.get("rank", 0)) % world_size != rank:
+        if want.get("rank", 0) % world_size != rank:
             continue
         problem = _check_file(path, name, want, algorithm)
         if problem is not None:
             problems.append((name, problem))
     return problems
 
+
+
+def _whole(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def marker_files_problem(record: Mapping[str, Any]) -> str | None:
+    """What is wrong with the marker ``record``'s file records (``"hash"``, ``"files"``), as
+    ``its file records ...``; None: nothing (or none recorded). Each name must be a plain file
+    name of the folder (a ``str``, no separator, no ``..``), each record a size and a rank
+    (whole numbers) and the hash (a string)."""
+    files = record.get("files")
+    if files is None:
+        return None
+    algorithm = record.get("hash", HASH_ALGORITHM)
+    if type(algorithm) is not str or algorithm not in _HASHES:
+        return f"names the hash {str(algorithm)[:40]!r}; known: {', '.join(_HASHES)}"
+    if type(files) is not dict or _METADATA not in files:
+        return f"has malformed file records (a {type(files).__name__}, without {_METADATA})"
+    for name, want in files.items():
+        problem = name_problem(name)
+        if problem is not None:
+            return f"lists {str(name)[:80]!r} among its files, which {problem}"
+        if type(want) is not dict:
+            return f"records {name} as a {type(want).__name__}, not a size, rank and {algorithm}"
+        for key in ("size", "rank"):
+            if key in want or key == "size":
+                if not _whole(want.get(key)):
+                    return f"records {key} {str(want.get(key))[:40]!r} for {name}, not a whole number"
+        if type(want.get(algorithm)) is not str:
+            return f"records no {algorithm} string for {name}"
+    return None
 
 
 def verify_checkpoint(path: str, record: Mapping[str, Any], rank: int, world_size: int,

@@ -36,12 +36,17 @@ error, no permission, read-only folder) raises :class:`CheckpointSaveError` on e
 naming the folder and the errno, with the ``.partial`` folder removed and the previous
 checkpoint untouched.
 
-Trust (:mod:`.safe_metadata`, ``docs/checkpoint-trust.md``): loading a folder runs none of its
-author's code. Every load (resume, ``load_step``, ``initial_load_path``, seed, PP, EP) reads DCP's
-``.metadata`` with a restricted unpickler and the non-tensor items with
-``torch.load(weights_only=True)``; any other global stops the start in one line,
-``checkpoint step-N: .metadata refers to os.system, which a checkpoint may not load (<file>)``.
-``checkpoint.trust_checkpoint_folder`` reads as DCP does, with a warning naming the folder.
+Trust (:mod:`.safe_metadata`, ``docs/checkpoint-trust.md``): loading a folder someone else
+wrote runs none of its code, reads nothing outside it, changes nothing in the process and cannot
+crash or hang it. Every load (resume, ``load_step``, ``initial_load_path``, seed, PP, EP) opens
+each file through ``_safe_files.open_inside`` (a regular file of the folder, no link followed),
+reads DCP's ``.metadata`` with a restricted decoder and the non-tensor items with
+``torch.load(weights_only=True)``, bounded and checked against the states they replace (the
+learning-rate schedule's fields and the step at load, :class:`_Checked`); the marker is read
+by ``read_json_inside`` and type-checked (:func:`marker_problem`). Anything refused stops the
+start in one line, ``checkpoint step-N: .metadata refers to os.system, which a checkpoint may
+not load (<file>)``. ``checkpoint.trust_checkpoint_folder`` unpickles as DCP does, with a
+warning naming the folder.
 
 Differences from torchtitan, each deliberate: a load finds "the latest *complete*
 checkpoint" (torchtitan: the latest folder with a ``.metadata``); ``initial_load_path`` is
@@ -83,16 +88,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_spmd._safe_files import UnsafeFile, read_json_inside
 from torchtitan_spmd.config.support import check_supported
 from torchtitan_spmd.distributed.apply_plan import plain_fqn
 from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
 from torchtitan_spmd.techniques import lora
+from torchtitan_spmd.tools.lr_scheduler import lr_state_problem
 from torchtitan_spmd.tools.optimizer import check_same_grouping, optimizers_of
 
 from . import hf as hf_checkpoint
 from . import integrity
 from .integrity import CheckpointLoadError, CheckpointSaveError
-from .safe_metadata import RestrictedLoadPlanner
+from .safe_metadata import RefusedCheckpointData, RestrictedLoadPlanner
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CheckpointConfig
@@ -136,13 +143,43 @@ class CheckpointInfo:
     record: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _read_marker(path: str) -> dict[str, Any] | None:
+def marker_problem(record: Any) -> str | None:
+    """What is wrong with a marker's JSON value ``record`` (None: nothing): it must be an
+    object whose ``step``, ``world_size`` are whole numbers, ``model_only``, ``hf_export``
+    booleans, ``optimizer_groups`` an object of strings, and whose file records pass
+    :func:`~.integrity.marker_files_problem`."""
+    if type(record) is not dict:
+        return f"holds a JSON {type(record).__name__}, not an object"
+    for key in ("step", "world_size"):
+        if key in record and not (type(record[key]) is int and record[key] >= 0):
+            return f"records {key} {str(record[key])[:40]!r}, not a whole number"
+    for key in ("model_only", "hf_export"):
+        if key in record and type(record[key]) is not bool:
+            return f"records {key} {str(record[key])[:40]!r}, not true or false"
+    groups = record.get("optimizer_groups", {})
+    if type(groups) is not dict or not all(type(v) is str for v in groups.values()):
+        return "records optimizer_groups that are not an object of group names"
+    return integrity.marker_files_problem(record)
+
+
+def _marker(path: str) -> tuple[dict[str, Any] | None, str]:
+    """``(record, "")`` of the marker of ``path``, or ``(None, what is wrong)``: ``"is missing"``,
+    a link, a FIFO, not valid JSON (:func:`~torchtitan_spmd._safe_files.read_json_inside`), or
+    :func:`marker_problem`."""
     try:
-        with open(os.path.join(path, COMPLETE_MARKER)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+        record = read_json_inside(path, COMPLETE_MARKER)
+    except FileNotFoundError:
+        return None, "is missing"
+    except UnsafeFile as err:
+        return None, err.what if err.name else f"cannot be read: the folder {err.what}"
+    except OSError as err:
+        return None, f"cannot be read ({integrity.save_failure(err)[1]})"
+    problem = marker_problem(record)
+    return (None, problem) if problem is not None else (record, "")
+
+
+def _read_marker(path: str) -> dict[str, Any] | None:
+    return _marker(path)[0]
 
 
 def find_checkpoints(folder: str) -> tuple[dict[int, CheckpointInfo], list[str]]:
@@ -315,6 +352,31 @@ class _RngState:
             torch.cuda.set_rng_state(state["cuda"])
 
 
+class _Checked:
+    """A stateful object whose loaded state is checked before it is applied: ``check(state)``
+    says what is wrong with it (``(item, what)``) or None; a problem raises
+    :class:`~.safe_metadata.RefusedCheckpointData` naming the item and its shard file
+    (:attr:`files`: fqn -> shard file, set by the load), so a bad state stops the load, not
+    the first step after it."""
+
+    def __init__(self, entry: str, inner: Any, check: Any) -> None:
+        self.entry, self.inner, self.check = entry, inner, check
+        self.files: dict[str, str] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        problem = self.check(state)
+        if problem is not None:
+            key, what = problem
+            fqn = f"{self.entry}.{key}" if key else self.entry
+            file = self.files.get(fqn) or next((f for k, f in sorted(self.files.items())
+                                                if k.startswith(fqn + ".")), "")
+            raise RefusedCheckpointData(f"the item {fqn!r}", what, file)
+        self.inner.load_state_dict(state)
+
+
 class _TrainState:
     """The step count (torchtitan's ``train_state``)."""
 
@@ -326,6 +388,14 @@ class _TrainState:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.step = int(state["step"])
+
+    @staticmethod
+    def problem(state: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``("step", what)`` when the saved step is not a whole number."""
+        step = state.get("step")
+        if type(step) is not int or step < 0:
+            return "step", f"holds {str(step)[:40]!r}, not a step count (a whole number)"
+        return None
 
 
 # ====================================================================================== manager
@@ -379,9 +449,9 @@ class CheckpointManager:
         self.train_state = _TrainState()
         self.states: dict[str, Any] = {
             OPTIMIZER: _OptimizerState(model, optimizer, self.views),
-            LR_SCHEDULER: lr_scheduler,
+            LR_SCHEDULER: _Checked(LR_SCHEDULER, lr_scheduler, lambda state: lr_state_problem(lr_scheduler, state)),
             DATALOADER: dataloader,
-            TRAIN_STATE: self.train_state,
+            TRAIN_STATE: _Checked(TRAIN_STATE, self.train_state, _TrainState.problem),
             RNG: _RngState(device_type),
         }
         self.record = dict(record or {})
@@ -595,7 +665,11 @@ class CheckpointManager:
                     f"has no DCP {_DCP_METADATA} file (contents: {sorted(os.listdir(path))[:8]})")
                 raise ValueError(f"checkpoint.initial_load_path={path!r} is not a checkpoint: it {what}. "
                                  "Give the step folder a checkpoint save wrote, e.g. .../checkpoint/step-0.")
-            record = _read_marker(path) or {}
+            record, problem = _marker(path)
+            if record is None and problem != "is missing":  # a DCP folder without a marker loads unverified
+                raise CheckpointLoadError(os.path.basename(os.path.normpath(path)),
+                                          f"its {COMPLETE_MARKER} marker {problem}", os.path.join(path, COMPLETE_MARKER))
+            record = record or {}
             saved_model_only = bool(record.get("model_only", False))
             if saved_model_only and not cfg.initial_load_model_only:
                 raise ValueError(f"checkpoint.initial_load_path={path!r} holds only the model; "
@@ -668,7 +742,7 @@ class CheckpointManager:
             what, file = (f"no {COMPLETE_MARKER} marker: not a save that finished here (a folder copied in part?)",
                           marker)
         elif _read_marker(path) is None:
-            what, file = f"its {COMPLETE_MARKER} marker cannot be read or is not a JSON record", marker
+            what, file = f"its {COMPLETE_MARKER} marker {_marker(path)[1]}", marker
         else:
             what, file = f"no DCP {_DCP_METADATA} file", metadata
         return f"step-{step}", what, file
@@ -744,7 +818,12 @@ class CheckpointManager:
         states = self._states(model_only, exclude)
         if self.config.initial_load_in_hf and path == (self.config.initial_load_path or self.hf_assets_path):
             assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
-            hf_checkpoint.load_hf(states, path, self.sd_adapter)
+            try:
+                hf_checkpoint.load_hf(states, path, self.sd_adapter)
+            except ValueError:  # one line already (a missing tensor, a link, a malformed header)
+                raise
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
+                raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
             return self._loaded(states, path, saved_step, model_only, ignored, begin)
         self._verify(path, record, fallbacks)
         if OPTIMIZER in states and "optimizer_groups" in record:  # the param groups it was saved with
@@ -755,10 +834,16 @@ class CheckpointManager:
                 raise ValueError(str(err)) from None
         trust = self._trust(path)
         try:  # every rank reads it (restricted: nothing it names runs) before DCP does
-            metadata = integrity.NamingReader(path, trust_folder=trust).read_metadata().state_dict_metadata
+            whole = integrity.NamingReader(path, trust_folder=trust).read_metadata()
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
-            raise CheckpointLoadError(name, integrity.describe_load_failure(err, path)[0],
-                                      os.path.join(path, _DCP_METADATA)) from None
+            what, file = integrity.describe_load_failure(err, path)
+            raise CheckpointLoadError(name, what, file if file != path else os.path.join(path, _DCP_METADATA)) from None
+        metadata = whole.state_dict_metadata
+        files = {index.fqn: info.relative_path for index, info in (whole.storage_data or {}).items()
+                 if isinstance(getattr(info, "relative_path", None), str)}
+        for entry in (LR_SCHEDULER, TRAIN_STATE):
+            if isinstance(states.get(entry), _Checked):
+                states[entry].files = files
         rng = states.get(RNG)
         if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})

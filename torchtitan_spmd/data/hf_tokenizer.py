@@ -20,12 +20,12 @@ Only ``tokenizer.json`` is read (torchtitan also builds a BPE from ``vocab.json`
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
 
 from torchtitan_spmd._errors import require
+from torchtitan_spmd._safe_files import UnsafeFile, read_inside, read_json_inside
 
 __all__ = ["HuggingFaceTokenizer", "build_tokenizer", "check_vocab_size", "padded_vocab_size"]
 
@@ -33,6 +33,9 @@ __all__ = ["HuggingFaceTokenizer", "build_tokenizer", "check_vocab_size", "padde
 #: embedding and output matrices split evenly over tensor-parallel degrees up to 64 (as the
 #: byte tokenizer's 258 ids are padded to 320).
 VOCAB_MULTIPLE = 64
+
+#: The largest tokenizer.json read: 1 GiB (Llama 3's is 9 MB).
+MAX_TOKENIZER_BYTES = 1 << 30
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 
@@ -71,16 +74,20 @@ class HuggingFaceTokenizer:
         if not os.path.isdir(path):
             raise ValueError(f"hf_assets_path={path!r} is not a folder (it must hold tokenizer.json).")
         file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
+        try:  # a regular file of the folder, no link followed (a FIFO would block the read)
+            text = read_inside(path, "tokenizer.json", MAX_TOKENIZER_BYTES)
+        except FileNotFoundError:
             present = sorted(os.listdir(path))[:10]
             raise ValueError(f"hf_assets_path={path!r} has no tokenizer.json (it holds {present}); "
-                             "only tokenizer.json is read.")
+                             "only tokenizer.json is read.") from None
+        except (UnsafeFile, OSError) as err:
+            raise ValueError(f"hf_assets_path: cannot read {file}: {err}") from None
         try:
-            self._tok = tokenizers.Tokenizer.from_file(file)
-        except Exception as err:  # the Rust library's own exception type
+            self._tok = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
+        except Exception as err:  # the Rust library's own exception type; UnicodeDecodeError
             raise ValueError(f"hf_assets_path: cannot read {file}: {err}") from None
         self.path = path
-        self.config = self._read_config(os.path.join(path, "tokenizer_config.json"))
+        self.config = self._read_config(path, "tokenizer_config.json")
         self.bos_token = _token_content("tokenizer_config.json bos_token", self.config.get("bos_token"))
         self.eos_token = _token_content("tokenizer_config.json eos_token", self.config.get("eos_token"))
         pad_token = _token_content("tokenizer_config.json pad_token", self.config.get("pad_token"))
@@ -96,13 +103,13 @@ class HuggingFaceTokenizer:
         self.default_add_eos = bool(self.config.get("add_eos_token", False))
 
     @staticmethod
-    def _read_config(file: str) -> dict[str, Any]:
-        if not os.path.isfile(file):
+    def _read_config(folder: str, name: str) -> dict[str, Any]:
+        file = os.path.join(folder, name)
+        if not os.path.lexists(file):
             return {}
         try:
-            with open(file, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as err:
+            config = read_json_inside(folder, name)
+        except (OSError, ValueError) as err:  # UnsafeFile (a link, a FIFO, bad JSON) is a ValueError
             raise ValueError(f"hf_assets_path: cannot read {file}: {err}") from None
         if not isinstance(config, dict):
             raise ValueError(f"hf_assets_path: {file} must hold a JSON object, got {type(config).__name__}.")

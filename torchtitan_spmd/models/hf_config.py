@@ -8,13 +8,13 @@ flavour. The weights themselves are read and written by :mod:`torchtitan_spmd.ch
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan_spmd._errors import require
+from torchtitan_spmd._safe_files import UnsafeFile, read_json_inside
 from torchtitan_spmd.models import replace_config
 from torchtitan_spmd.models.state_dict_adapter import FROM_HF_FLAVOR, HFConfigError
 
@@ -66,12 +66,13 @@ def hf_folder(job_config: JobConfig) -> str | None:
 def read_hf_config(folder: str) -> dict[str, Any]:
     """The parsed ``config.json`` of ``folder``; ValueError naming the path when it is missing or bad."""
     path = os.path.join(folder, _CONFIG)
-    try:
-        with open(path) as f:
-            config = json.load(f)
+    try:  # a regular file of the folder, no link followed, plain finite JSON (a FIFO would block)
+        config = read_json_inside(folder, _CONFIG)
     except FileNotFoundError:
         raise ValueError(f"{folder!r} has no {_CONFIG}: a Hugging Face folder (save_pretrained) is needed "
                          "for checkpoint.initial_load_in_hf and --model.flavor from_hf.") from None
+    except UnsafeFile as err:
+        raise ValueError(f"cannot read {err.path}: {err.line}") from None
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read {path}: {err}") from None
     if not isinstance(config, dict):

@@ -27,7 +27,6 @@ with the flavour (a mismatch names the field and both values), and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from torchtitan_spmd._safe_files import UnsafeFile, read_json_inside
 from torchtitan_spmd.models.rope import (
     NO_SCALING,
     RopeScaling,
@@ -69,6 +69,27 @@ def rope_scaling_of(hf: Mapping[str, Any], where: str = "config.json") -> RopeSc
         return rope_scaling_from_hf(hf, where=where)
     except ValueError as e:
         raise HFConfigError(str(e)) from None
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _weight_map(folder: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor -> file) of ``folder``'s ``model.safetensors.index.json``, read
+    as a regular file of the folder (no link followed, plain JSON); ``ValueError`` in one line
+    naming the file when it is not an object whose ``weight_map`` maps names to file names."""
+    try:
+        index = read_json_inside(folder, _INDEX)
+    except UnsafeFile as err:
+        raise ValueError(f"cannot read {err.path}: {err.line}") from None
+    except OSError as err:
+        raise ValueError(f"cannot read {os.path.join(folder, _INDEX)}: {err}") from None
+    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ValueError(f"{os.path.join(folder, _INDEX)} is not a safetensors index: it must be a JSON object "
+                         "whose weight_map maps tensor names to file names.")
+    return weight_map
 
 
 class StateDictAdapter:
@@ -108,10 +129,8 @@ class StateDictAdapter:
         self.hf_assets_path = hf_assets_path
         #: transformers name -> file number, from ``model.safetensors.index.json`` (None: one file).
         self.fqn_to_index_mapping: dict[str, int] | None = None
-        index = os.path.join(hf_assets_path, "model.safetensors.index.json") if hf_assets_path else None
-        if index and os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+        if hf_assets_path and os.path.lexists(os.path.join(hf_assets_path, _INDEX)):
+            weight_map = _weight_map(hf_assets_path)
             self.fqn_to_index_mapping = {
                 k: int(m.group(1)) if (m := re.search(r"(\d+)-of-\d+", v)) else 1 for k, v in weight_map.items()
             }
