@@ -258,8 +258,9 @@ QUOTES = [
           r"loss\s+from ([\d.]+) to ([\d.]+)", "README.md", r"done: loss ([\d.]+) -> ([\d.]+) in 50 steps"),
     Quote("README.md", r"the `nox -s train` run above takes the loss\s+from ([\d.]+) to ([\d.]+)",
           "README.md", r"done: loss ([\d.]+) -> ([\d.]+) in 50 steps"),
-    Quote("README.md", r"llama3 405B on 16,384 ranks \(TP 8 × PP 16 ×\s+FSDP 128\), ([\d,]+) parameters",
-          "docs/dry-run.md", r"model parameters: ([\d,]+) \(.*\)"),
+    Quote("README.md", r"405B recipe as written \(TP 8, async TP, compile\) on 16,384\s+ranks, about 3 minutes; "
+          r"each rank holds ([\d.]+)x parameters / world",
+          "docs/dry-run.md", r"405b: .*, per-rank parameters [\d,]+ = ([\d.]+)x total/world \([\d,]+\)"),
 ]
 
 

@@ -107,7 +107,8 @@ PROBES: dict[str, Probe] = {
     "multi-node launch": Probe(_dp(4), world_size=4),
     "dry run `comm.mode=fake_backend`": Probe({"comm.mode": "fake_backend", **_dp(4)}, world_size=4),
     "`comm.mode=local_tensor`": Probe({"comm.mode": "local_tensor", **TP2}, world_size=2),
-    "loading a checkpoint runs none": Probe({"checkpoint.enable": True}),
+    "loading a hostile checkpoint folder": Probe({"checkpoint.enable": True}),
+    "model converters": Probe({}, job="llama3_debugmodel_float8_emulate_lora", needs=("torchao",)),
     "memory-budget AC, FSDP CPU offload": Probe({"activation_checkpoint.mode": "memory_budget"}),
     "experts on dim 1": Probe({"parallelism.expert_parallel_degree": 2, **_dp(4)}, world_size=4, job=MOE),
     # docs/backends-and-typechecking.md
