@@ -31,6 +31,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Settle autograd's device threads before any test runs, in every pytest process.
+
+    Autograd decides once per process, at its first backward, whether to start device threads;
+    if it starts them, every child forked later fails its own backward ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"). Whether it does can
+    depend on what an earlier in-process test left registered (measured: a layer-4 typed step,
+    then test_data's training loop, then test_run_features' forked ranks failed at backward,
+    while each pair alone passed). One tiny CPU backward here, before any test, makes that first
+    decision on a clean process: no device threads, so forked ranks (torchtitan_spmd.launcher)
+    work whatever ran before them in the same worker. pytest-xdist mixes tiers in one worker.
+    """
+    import torch
+
+    x = torch.zeros(1, requires_grad=True)
+    (x * 1).sum().backward()
+
+
 def test_backend_of(item: pytest.Item) -> str | None:
     """The backend a collected test belongs to, or None for backend-agnostic tests."""
     marker = item.get_closest_marker("backend")
