@@ -1,6 +1,7 @@
 """nox sessions for torchtitan_spmd.
 
-    nox -s cpu_tests     # the test matrix on CPU (gloo): common + one run per backend
+    nox -s cpu_tests     # the test matrix on CPU (gloo): common + every backend, one pytest run
+    nox -s cpu_tests -- --backend=spmd_types    # one tier of it (common, default, ...)
     nox -s gpu_tests     # the same on CUDA; skips (exit 0) when no GPU is visible
     nox -s lint          # ruff
     nox -s stack         # per-layer checks of the stacked series (stack/)
@@ -82,19 +83,47 @@ def _shared_cpu_python(session: nox.Session) -> str:
     return str(python)
 
 
+#: pytest-xdist workers for ``cpu_tests``: one per core by default (CI's machine has 2);
+#: ``TORCHTITAN_SPMD_TEST_WORKERS=1`` runs every test in one process (e.g. to debug).
+TEST_WORKERS_ENV = "TORCHTITAN_SPMD_TEST_WORKERS"
+
+
+def _xdist_args() -> list[str]:
+    """``-n N --dist loadfile`` for N > 1 workers, else nothing (one pytest process).
+
+    Whole files to a worker: a module's shared fixtures (one training run read by many tests,
+    e.g. tests/layer3_runtime/test_once_per_job.py) and its cached references then run once, not
+    once per worker that got one of its tests.
+
+    Each worker runs its tests' torch on one thread (``OMP_NUM_THREADS=1``, as the forked ranks
+    and torchrun's children already do): N workers on N cores, not N x N threads. Measured in
+    docs/benchmarks.md ("The test suite").
+    """
+    raw = os.environ.get(TEST_WORKERS_ENV, "").strip() or str(os.cpu_count() or 1)
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"{TEST_WORKERS_ENV}={raw!r}: expected a whole number >= 1")
+    workers = int(raw)
+    return [] if workers == 1 else ["-n", str(workers), "--dist", "loadfile"]
+
+
 @nox.session(venv_backend="none")
-@nox.parametrize("backend", ["common", *BACKENDS])
-def cpu_tests(session: nox.Session, backend: str) -> None:
-    """Run the tests for one backend ('common' = backend-agnostic tests) on CPU.
+def cpu_tests(session: nox.Session) -> None:
+    """The CPU test matrix in one pytest run: backend-agnostic tests once, then each backend's.
+
+    ``-- --backend=NAME`` keeps one tier (``common``, ``default``, ``full_dtensor``,
+    ``spmd_types``); any other pytest option goes there too. One run, not one per tier: the
+    tiers share one collection and their cached references, and pytest-xdist spreads them over
+    the cores (:data:`TEST_WORKERS_ENV`).
 
     On the pinned torch by default; ``TORCHTITAN_SPMD_TORCH=torch==2.11.0`` runs
     them on that torch, in its own virtualenv (a large download: not for CI).
     """
     python = _shared_cpu_python(session)
+    xdist = _xdist_args()
     session.run(
-        python, "-m", "pytest", "tests", f"--backend={backend}", *session.posargs,
+        python, "-m", "pytest", "tests", *xdist, *session.posargs,
         external=True,  # exit 5 (no test collected) fails the session
-        env=_spmd_types_env(session, python),
+        env={**_spmd_types_env(session, python), **({"OMP_NUM_THREADS": "1"} if xdist else {})},
     )
 
 

@@ -1,16 +1,13 @@
-"""The dry run's targets (issue 36): wall time, peak RSS and the report's headline numbers.
+"""The dry run's targets (issues 36 and 41): wall time, peak RSS and the report's headline numbers.
 
     PYTHONPATH=. python bench/dry_run_targets.py [405b|8b|qwen3_30b|dsv3_671b|all] [--json OUT]
 
-Each target runs in a fresh subprocess (its peak RSS is its own) with ``NGPU`` set, through the
-trainer's own entry point (``python -m torchtitan_spmd.train ... --comm.mode fake_backend``).
-
-Upstream's real flavours (llama3 ``8B`` and ``405B``, qwen3 ``30B-A3B``, sizes from upstream
-a0c831c49's ``torchtitan/models/{llama3,qwen3}/__init__.py``) are not in this library's
-registry yet, so this script registers them for its own runs (:func:`register_flavours`), and
-builds a local WordLevel ``tokenizer.json`` of upstream's vocabulary size (128,256 for llama3,
-151,936 for qwen3) so that the model's vocabulary is the real one. Once the real flavours are
-registered by the library, drop :func:`register_flavours` and pass their names.
+Each target is one of upstream's recipes as written (``--module M --config C``, the registry's
+recipe functions: llama3 ``405B`` with TP 8, async TP and compile; llama3 ``8B``; qwen3
+``30B-A3B``; DeepSeek-V3 ``671B``), with only the expert-parallel degree of the issue's layout
+added, run in a fresh subprocess (its peak RSS is its own) with ``NGPU`` set, through the
+trainer's own entry point (``python -m torchtitan_spmd.train ... --comm.mode fake_backend``). No
+tokenizer: the dry run sizes each flavour with its own vocabulary (the report says so).
 """
 
 from __future__ import annotations
@@ -23,77 +20,33 @@ import sys
 import tempfile
 import time
 
-#: name -> (family, flavour, vocabulary, NGPU, extra command-line arguments)
-TARGETS: dict[str, tuple[str, str, int, int, list[str]]] = {
-    # upstream's 405B recipe layout at 16,384 GPUs: TP 8 x PP 16 x FSDP 128
-    "405b": ("llama3", "405B", 128256, 16384, [
-        "--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "16",
-        "--parallelism.pipeline_parallel_schedule", "1F1B",
-        "--training.seq_len", "8192", "--training.local_batch_size", "16",
-        "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]),
-    "8b": ("llama3", "8B", 128256, 64, [
-        "--training.seq_len", "8192", "--training.local_batch_size", "1",
-        "--activation_checkpoint.mode", "selective", "--training.mixed_precision_param", "bfloat16"]),
-    # DeepSeek-V3's own layout on 2,048 GPUs (its technical report: 16-way PP, 64-way EP, data
-    # parallelism over the rest): PP 16 x FSDP 128, EP 64 borrowed from FSDP (efsdp 2)
-    "dsv3_671b": ("deepseek_v3", "671B", 129280, 2048, [
-        "--parallelism.pipeline_parallel_degree", "16", "--parallelism.expert_parallel_degree", "64",
-        "--parallelism.pipeline_parallel_schedule", "1F1B",
-        "--training.seq_len", "4096", "--training.local_batch_size", "16",
-        "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]),
-    "qwen3_30b": ("qwen3", "30B-A3B", 151936, 512, [
-        "--parallelism.expert_parallel_degree", "8", "--parallelism.tensor_parallel_degree", "1",
-        "--training.seq_len", "4096", "--training.local_batch_size", "1",
-        "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]),
+#: name -> (family, recipe, NGPU, extra command-line arguments)
+TARGETS: dict[str, tuple[str, str, int, list[str]]] = {
+    # upstream's 405B recipe as written (TP 8, async TP, compiled blocks, full AC) on 16,384 GPUs
+    "405b": ("llama3", "llama3_405b", 16384, []),
+    "8b": ("llama3", "llama3_8b", 64, []),
+    # DeepSeek-V3 671B with EP 64 on 2,048 GPUs (efsdp 32 over 4 experts a rank: dim-1 experts)
+    "dsv3_671b": ("deepseek_v3", "deepseek_v3_671b", 2048, ["--parallelism.expert_parallel_degree", "64"]),
+    # Qwen3-30B-A3B with EP 8 on 512 GPUs (efsdp 64 over 16 experts a rank: dim-1 experts)
+    "qwen3_30b": ("qwen3", "qwen3_30b_a3b", 512, ["--parallelism.expert_parallel_degree", "8"]),
 }
-
-
-def register_flavours() -> None:
-    """Add upstream's real flavours (a0c831c49) to this library's registries, for this process."""
-    from torchtitan_spmd.models import llama3, qwen3
-    from torchtitan_spmd.models.llama3 import LlamaConfig
-    from torchtitan_spmd.models.qwen3.model import Qwen3Config
-
-    llama3.FLAVORS.setdefault("8B", LlamaConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-        ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072))
-    llama3.FLAVORS.setdefault("405B", LlamaConfig(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
-        ffn_dim_multiplier=1.2, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072))
-    qwen3.FLAVORS.setdefault("30B-A3B", Qwen3Config(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=6144,
-        vocab_size=151936, rope_theta=1_000_000.0, max_seq_len=262144, num_experts=128, top_k=8,
-        moe_hidden_dim=768, score_func="softmax", route_norm=True))
-
-
-def word_level_tokenizer(folder: str, vocab: int) -> str:
-    """A ``tokenizer.json`` of exactly ``vocab`` ids in ``folder`` (a WordLevel model; the dry run
-    reads only its size)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    return folder
 
 
 def _child(target: str, folder: str) -> None:
     """Run one target in this process (the subprocess side)."""
-    register_flavours()
     from torchtitan_spmd.train import main
 
-    family, flavour, _, _, extra = TARGETS[target]
-    status = main(["--module", family, "--config", f"{family}_debugmodel", "--model.flavor", flavour,
-                   "--hf_assets_path", folder, "--comm.mode", "fake_backend",
+    family, recipe, _, extra = TARGETS[target]
+    status = main(["--module", family, "--config", recipe, "--comm.mode", "fake_backend",
                    "--job.dump_folder", folder, *extra])
     raise SystemExit(status)
 
 
 def run(target: str) -> dict:
-    """One target in a subprocess: its wall time, peak RSS and the report's JSON."""
-    family, flavour, vocab, ngpu, _ = TARGETS[target]
+    """One target in a subprocess: its wall time, peak RSS and the report's JSON, and its largest
+    rank's parameters against total / world."""
+    family, recipe, ngpu, _ = TARGETS[target]
     with tempfile.TemporaryDirectory() as folder:
-        word_level_tokenizer(folder, vocab)
         env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"}
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--child", target, folder], env=env,
@@ -104,8 +57,11 @@ def run(target: str) -> dict:
             raise SystemExit(f"{target}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         with open(os.path.join(folder, "dry_run.json"), encoding="utf-8") as f:
             report = json.load(f)
-    return {"target": target, "model": f"{family}/{flavour}", "ngpu": ngpu, "wall_s": round(wall, 1),
-            "max_rss_gib_of_any_child_so_far": round(rss_gib, 2), "text": proc.stdout, "report": report}
+    ideal = report["total_params"] / ngpu
+    worst = max(r["param_numel"] for r in report["roles"])
+    return {"target": target, "recipe": f"{family} {recipe}", "ngpu": ngpu, "wall_s": round(wall, 1),
+            "max_rss_gib_of_any_child_so_far": round(rss_gib, 2), "per_rank_params": worst,
+            "total_over_world": round(ideal), "ratio": round(worst / ideal, 4), "text": proc.stdout, "report": report}
 
 
 def main() -> None:
@@ -119,7 +75,9 @@ def main() -> None:
         row = run(name)
         rows.append(row)
         print(row["text"])
-        print(f"{name}: {row['wall_s']} s, peak RSS {row['max_rss_gib_of_any_child_so_far']} GiB", flush=True)
+        print(f"{name}: {row['wall_s']} s, peak RSS {row['max_rss_gib_of_any_child_so_far']} GiB, "
+              f"per-rank parameters {row['per_rank_params']:,} = {row['ratio']}x total/world "
+              f"({row['total_over_world']:,})", flush=True)
     if "--json" in sys.argv:
         with open(sys.argv[sys.argv.index("--json") + 1], "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

@@ -38,13 +38,14 @@ import upstream_trainer_august as trees  # noqa: E402  (the sibling measuring to
 
 HERE = Path(__file__).resolve().parents[1]
 SURFACE = {"b5bcd76": "august", "a0c831c49": "june"}
-FILES = ("test_config_manager.py", "test_parallel_dims.py")
+FILES = ("test_config_manager.py", "test_parallel_dims.py", "test_compile_moe.py", "test_context_parallel_validation.py")
 #: The config sections a fork re-exports (June also had ``ActivationCheckpointConfig`` there).
 SECTIONS = {"ActivationCheckpointConfig", "CommConfig", "CompileConfig", "DebugConfig", "ParallelismConfig",
             "TrainingConfig"}
 MODULES = {
     "torchtitan.config.configs": "torchtitan_spmd.config.configs",
     "torchtitan.distributed.parallel_dims": "torchtitan_spmd.distributed.parallel_dims",
+    "torchtitan.distributed.context_parallel": "torchtitan_spmd.distributed.context_parallel",
 }
 
 

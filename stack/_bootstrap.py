@@ -4,7 +4,9 @@ It is passed as source text (no sitecustomize, nothing installed) and does, in o
 
 1. installs a ``sys.meta_path`` finder (first in line) that raises ModuleNotFoundError
    for every module of a layer above the prefix: by dotted name, and by file for
-   modules that pytest imports by a bare name (test helpers next to test files);
+   modules that pytest imports by a bare name (test helpers next to test files); each refusal
+   appends the asking test's node id (or the test file being collected, or ``<session>``) to
+   SPEC["reached"], so later prefixes run that test again (stack/runner.py);
 2. drops setuptools' editable-install finders and puts the tree under test first on
    ``sys.path``, then checks that each top-level package resolves inside that tree;
 3. runs ``pytest.main`` with a small plugin counting collected/passed tests;
@@ -32,8 +34,23 @@ if __name__ == "__main__":
         real = os.path.realpath(path)
         return real == ROOT or real.startswith(ROOT + os.sep)
 
+    REACHED = SPEC.get("reached")
+    os.environ.pop("PYTEST_CURRENT_TEST", None)  # an outer pytest's (this tool's own tests), not ours
+    COLLECTING = []  # the test file being collected, if any (set by StackCounter)
+    ARMED = []  # non-empty once pytest runs: the tool's own probes below are not the tests' reach
+
+    def _log_reach():
+        if not REACHED or not ARMED:
+            return
+        current = os.environ.get("PYTEST_CURRENT_TEST", "")
+        who = current.rsplit(" (", 1)[0] if current else (COLLECTING[-1] if COLLECTING else "<session>")
+        # One short append per refusal; forked ranks of a test inherit its PYTEST_CURRENT_TEST.
+        with open(REACHED, "a", encoding="utf-8") as fh:
+            fh.write(who + "\n")
+
     def _blocked(name, how):
         index, slug = how
+        _log_reach()
         return ModuleNotFoundError(
             f"blocked by stack check: {name} belongs to layer {index} ({slug}) above the prefix",
             name=name)
@@ -88,9 +105,15 @@ if __name__ == "__main__":
         def pytest_collection_finish(self, session):
             self.counts["collected"] = len(session.items)
 
+        def pytest_collectstart(self, collector):
+            if isinstance(collector, pytest.Module):
+                COLLECTING.append(collector.nodeid)
+
         def pytest_collectreport(self, report):
             if report.failed:
                 self.counts["errors"] += 1
+            if COLLECTING and report.nodeid == COLLECTING[-1]:
+                COLLECTING.pop()
 
         def pytest_runtest_logreport(self, report):
             c = self.counts
@@ -103,6 +126,7 @@ if __name__ == "__main__":
                 c["skipped"] += 1
 
     counter = StackCounter()
+    ARMED.append(True)
     code = int(pytest.main(SPEC["pytest_args"], plugins=[counter]))
 
     leaks = []

@@ -38,7 +38,7 @@ from .gitfiles import (
 from .imports import scan_imports, working_tree_reader
 from .levels import scan_levels
 from .ownership import Ownership, check_ownership
-from .runner import PrefixResult, run_prefix
+from .runner import PrefixResult, carried_tests, run_prefix
 from .tree import Tree
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -163,6 +163,8 @@ def _print_list(title: str, items: list[str]) -> None:
 def _report_prefix(r: PrefixResult, layer: Layer, where: str) -> None:
     tests = f"{r.counts.get('passed', 0)} passed / {r.counts.get('collected', 0)} collected" \
         if r.counts else r.note
+    if r.counts and r.carried:
+        tests += f" ({len(r.carried)} carried from lower layers)"
     label = f"prefix 1..{r.k} ({layer.slug})" + (f" {where}" if where else "")
     if r.ok:
         say(f"  {label}: ok, {tests} in {r.seconds:.1f}s")
@@ -216,11 +218,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         say("[3/3] prefixes: skipped: fix the errors above first (or pass --keep-going)")
         statuses = {i: "skipped" for i in range(1, len(config.layers) + 1)}
     else:
-        say(f"[3/3] prefixes: running the tests of layers 1..k for k = 1..{limit}, "
-            f"layers above k blocked")
+        say(f"[3/3] prefixes: for k = 1..{limit}, layer k's tests and every lower-layer test "
+            f"that reached for a blocked module, layers above k blocked")
+        reached: list[str] = []
         for layer in config.layers[:limit]:
             r = run_prefix(config, project.tree, own.owner, layer.index, project.root,
-                           timeout=args.timeout)
+                           timeout=args.timeout,
+                           carried=carried_tests(config, layer.index, reached))
+            reached.extend(r.reached)
             results[layer.index] = r
             _report_prefix(r, layer, "")
             if not r.ok:
@@ -309,6 +314,7 @@ def cmd_verify_export(args: argparse.Namespace) -> int:
     expected_all = {p: project.files[p] for p in project.own.owner}
     tmp = Path(tempfile.mkdtemp(prefix="stack-verify-"))
     repo = tmp / "repo"
+    reached: list[str] = []
     try:
         git(tmp, "init", "-q", str(repo), env=env)
         for layer, patch in zip(config.layers, patches, strict=False):
@@ -331,7 +337,9 @@ def cmd_verify_export(args: argparse.Namespace) -> int:
             say(f"  {patch.name}: applied; tree == layers 1..{layer.index} of HEAD")
             if layer.index <= test_limit:
                 r = run_prefix(config, project.tree, project.own.owner, layer.index, repo,
-                               timeout=args.timeout)
+                               timeout=args.timeout,
+                               carried=carried_tests(config, layer.index, reached))
+                reached.extend(r.reached)
                 results[layer.index] = r
                 _report_prefix(r, layer, "in the replayed repo")
                 if not r.ok:

@@ -1,4 +1,14 @@
-"""Step 3: run the tests of layers 1..k with every module of the layers above k blocked."""
+"""Step 3: prove each prefix 1..k green with every module of the layers above k blocked.
+
+Prefix k runs layer k's own tests, plus every test of a lower layer that *reached for* a blocked
+module in an earlier prefix run (the bootstrap logs each refused import with the test, or the
+test file being collected, that asked for it). A lower-layer test that reached for nothing
+blocked imported only modules of its own prefix, which a longer prefix holds unchanged, so it
+behaves the same there: running it again would repeat its own prefix's run. A test that did
+reach (it skipped, fell back, or failed without an upper layer) can behave differently once more
+layers are present, so it runs again in every later prefix until the end of the stack. An
+import refused outside any test (a conftest at start-up) carries every lower-layer test along.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +30,10 @@ ACTIVE_ENV = "STACK_CHECK_PREFIX"
 TAIL_LINES = 60
 
 
+#: What the bootstrap logs when a blocked import is refused outside any test or collected file.
+ANYWHERE = "<session>"
+
+
 @dataclass
 class PrefixResult:
     k: int
@@ -28,6 +42,10 @@ class PrefixResult:
     counts: dict[str, int] = field(default_factory=dict)
     output: str = ""
     note: str = ""
+    #: Tests of lower layers run again here because they reached for a blocked module before.
+    carried: tuple[str, ...] = ()
+    #: Node ids (or test files, or :data:`ANYWHERE`) that reached for a blocked module in this run.
+    reached: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -44,11 +62,58 @@ class PrefixResult:
         return "\n".join(lines[-n:])
 
 
-def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: Path) -> dict:
+def _is_test_file(path: str) -> bool:
+    """pytest's default test-file names (``test_*.py``, ``*_test.py``)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def _within(test: str, arg: str) -> bool:
+    """Whether node id or file ``test`` lies inside pytest argument ``arg`` (a directory, file or
+    node id)."""
+    test_file, _, test_name = test.partition("::")
+    arg_file, _, arg_name = arg.partition("::")
+    if not covers(arg_file, test_file):
+        return False
+    return not arg_name or test_name == arg_name or test_name.startswith((arg_name + "::",
+                                                                         arg_name + "["))
+
+
+def carried_tests(config: StackConfig, k: int, reached: list[str]) -> list[str]:
+    """The lower-layer tests prefix k runs again: those of ``reached`` (node ids, test files or
+    :data:`ANYWHERE`, logged by earlier prefixes) that lie in layers 1..k-1's tests.
+
+    A file logged at collection carries the tests of it that its layer declares (all of them
+    when the layer names the file or a folder above it).
+    """
+    lower = list(dict.fromkeys(t for layer in config.layers[: k - 1] for t in layer.prefix_tests))
+    if ANYWHERE in reached:
+        return lower
+    out: list[str] = []
+    for hit in dict.fromkeys(reached):
+        for arg in lower:
+            if _within(hit, arg):
+                out.append(hit)
+                break
+            if _within(arg, hit):  # a collected file that holds tests the layer names one by one
+                out.append(arg)
+    files = {t for t in out if "::" not in t}
+    return list(dict.fromkeys(t for t in out if "::" not in t or t.split("::", 1)[0] not in files))
+
+
+def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: Path,
+                carried: list[str] | None = None) -> dict:
     """The bootstrap spec for prefix k: pytest args, blocked names and files."""
-    lower = config.layers[:k]
     upper = config.layers[k:]
-    test_args = list(dict.fromkeys(t for layer in lower for t in layer.prefix_tests))
+    # Layer k's test files that a lower layer's test folder collects (its own list may not name
+    # them): they are collectable from prefix k on, so prefix k runs them.
+    lower_args = [t for layer in config.layers[: k - 1] for t in layer.prefix_tests]
+    newly_collectable = sorted(
+        path for path, layer in owner.items()
+        if layer.index == k and _is_test_file(path)
+        and any("::" not in arg and covers(arg, path) for arg in lower_args))
+    test_args = list(dict.fromkeys([*config.layers[k - 1].prefix_tests, *newly_collectable,
+                                    *(carried or [])]))
     ignores: list[str] = []
     for layer in upper:
         for entry in layer.paths:
@@ -83,13 +148,16 @@ def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: 
 
 
 def run_prefix(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: Path, *,
-               timeout: float | None = None) -> PrefixResult:
-    plan = prefix_plan(config, tree, owner, k, run_root)
+               timeout: float | None = None, carried: list[str] | None = None) -> PrefixResult:
+    """Run prefix k: layer k's tests and ``carried`` (see :func:`carried_tests`), layers above k
+    blocked."""
+    plan = prefix_plan(config, tree, owner, k, run_root, carried)
     if not plan["tests"]:
         return PrefixResult(k, 0, 0.0, note="no tests")
     with tempfile.TemporaryDirectory(prefix="stack-prefix-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         plan["result"] = str(Path(tmp) / "result.json")
+        plan["reached"] = str(Path(tmp) / "reached.txt")
         spec_path.write_text(json.dumps(plan), encoding="utf-8")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -110,7 +178,10 @@ def run_prefix(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: P
         result_path = Path(plan["result"])
         if result_path.exists():
             counts = json.loads(result_path.read_text(encoding="utf-8"))
-    result = PrefixResult(k, code, seconds, counts, output)
+        reached_path = Path(plan["reached"])
+        reached = reached_path.read_text(encoding="utf-8").splitlines() if reached_path.exists() else []
+    result = PrefixResult(k, code, seconds, counts, output, carried=tuple(carried or ()),
+                          reached=tuple(dict.fromkeys(r for r in reached if r)))
     if code == 5:
         result.note = "no tests collected (exit 5)"
     elif code == 3 and "stack bootstrap: FATAL" in output:

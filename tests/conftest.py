@@ -31,6 +31,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Settle autograd's device threads before any test runs, in every pytest process.
+
+    Autograd decides once per process, at its first backward, whether to start device threads;
+    if it starts them, every child forked later fails its own backward ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"). Whether it does can
+    depend on what an earlier in-process test left registered (measured: a layer-4 typed step,
+    then test_data's training loop, then test_run_features' forked ranks failed at backward,
+    while each pair alone passed). One tiny CPU backward here, before any test, makes that first
+    decision on a clean process: no device threads, so forked ranks (torchtitan_spmd.launcher)
+    work whatever ran before them in the same worker. pytest-xdist mixes tiers in one worker.
+    """
+    import torch
+
+    x = torch.zeros(1, requires_grad=True)
+    (x * 1).sum().backward()
+
+
 def test_backend_of(item: pytest.Item) -> str | None:
     """The backend a collected test belongs to, or None for backend-agnostic tests."""
     marker = item.get_closest_marker("backend")
@@ -88,6 +106,9 @@ def _skip_reason(report: pytest.TestReport) -> str:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         _SKIPS.append((report.nodeid, _skip_reason(report)))
+    for name, value in report.user_properties:
+        if name == "over_budget_s":
+            _OVER_BUDGET.append((report.nodeid, float(value)))
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -102,6 +123,12 @@ def unexpected_skips(skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _OVER_BUDGET:
+        lines = "\n".join(f"  {node}: {seconds:.1f} CPU s" for node, seconds in _OVER_BUDGET)
+        print(f"\nFAILED: {len(_OVER_BUDGET)} test(s) cost more than the {TEST_BUDGET_S:g} CPU-second "
+              f"budget without a @pytest.mark.slow(reason=...) saying why (tests/conftest.py):\n{lines}")
+        if session.exitstatus in (0, 5):
+            session.exitstatus = 1
     bad = unexpected_skips(_SKIPS)
     if bad:
         lines = "\n".join(f"  {node}: {reason}" for node, reason in bad)
@@ -109,3 +136,106 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
               f"(a GPU, a torch version, tmpfs, the stack's prefix runs):\n{lines}")
         if session.exitstatus in (0, 5):  # passed, or nothing ran but skips
             session.exitstatus = 1
+
+
+# ----------------------------------------------------------------------------- the time budget
+#: A test whose set-up and call cost more than this many CPU seconds (this process plus the
+#: children it reaped: forked ranks, subprocesses; a shared fixture's run counts for the test that
+#: set it up) must carry ``@pytest.mark.slow(reason="...")`` saying
+#: why it cannot be cheaper; any other such test fails the session at its end, listed with its
+#: cost. CPU seconds, not wall: a loaded machine (pytest-xdist's other worker, another job)
+#: stretches wall time far more than CPU time, so the budget holds the same on a busy or idle
+#: machine. 120 CPU seconds is a minute of both of CI's cores.
+#: ``TORCHTITAN_SPMD_TEST_BUDGET_S`` overrides it; ``0`` turns the budget off (e.g. under a debugger).
+TEST_BUDGET_S = float(os.environ.get("TORCHTITAN_SPMD_TEST_BUDGET_S", "120"))
+#: When set to a path, every test appends one JSON line there: its id, backend, outcome, wall
+#: seconds and CPU seconds (this process plus the children it reaped: forked ranks, subprocesses)
+#: for set-up, call and tear-down. ``bench/suite_profile.py`` reads it.
+PROFILE_ENV = "TORCHTITAN_SPMD_TEST_PROFILE"
+_OVER_BUDGET: list[tuple[str, float]] = []
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def slow_reason(item: pytest.Item) -> str | None:
+    """The reason a test's ``slow`` marker gives, or None when it has none."""
+    marker = item.get_closest_marker("slow")
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+    return str(reason)
+
+
+slow_reason.__test__ = False  # type: ignore[attr-defined]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    unexplained = [item.nodeid for item in session.items
+                   if item.get_closest_marker("slow") is not None and not slow_reason(item).strip()]
+    if unexplained:
+        raise pytest.UsageError("pytest.mark.slow needs a reason=\"...\" (why the test cannot be "
+                                "cheaper): " + ", ".join(unexplained[:5]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return (yield)
+    import json
+    import time
+
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        record = {
+            "test": item.nodeid,
+            "backend": test_backend_of(item) or "common",
+            "multiproc": item.get_closest_marker("multiproc") is not None,
+            "slow": slow_reason(item),
+            "wall_s": round(time.monotonic() - wall, 4),
+            "cpu_s": round(_cpu_seconds() - cpu, 4),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            "stack_prefix": os.environ.get("STACK_CHECK_PREFIX", ""),
+        }
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:  # a fixture's runs (a module's shared training run) count for the test that set it up
+        item.stash[_CALL_CPU] = item.stash.get(_CALL_CPU, 0.0) + _cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        item.stash[_CALL_CPU] = item.stash.get(_CALL_CPU, 0.0) + _cpu_seconds() - start
+
+
+_CALL_CPU = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    cpu = item.stash.get(_CALL_CPU, 0.0)
+    if (call.when == "call" and report.passed and TEST_BUDGET_S > 0
+            and cpu > TEST_BUDGET_S and slow_reason(item) is None):
+        # Carried on the report, so that under pytest-xdist the controller sees it too.
+        report.user_properties.append(("over_budget_s", cpu))
+    return report

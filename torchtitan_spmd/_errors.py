@@ -6,6 +6,7 @@ import difflib
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
@@ -80,3 +81,23 @@ def stacklevel_outside_library() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` blaming the first frame outside the library (:func:`stacklevel_outside_library`).
+
+    When no user code called the library (``python -m torchtitan_spmd.train``, under torchrun or not)
+    that frame is Python's ``<frozen runpy>``, which means nothing to the user: the warning is then
+    attributed to ``<command line>``, where the setting came from.
+    """
+    level = stacklevel_outside_library()
+    frame: FrameType | None = sys._getframe(0)  # stacklevel 1 is this frame
+    for _ in range(level - 1):
+        if frame is None or frame.f_back is None:
+            break
+        frame = frame.f_back
+    if frame is not None and frame.f_code.co_filename.startswith("<frozen "):
+        warnings.warn_explicit(message, category, filename="<command line>", lineno=0,
+                               module="torchtitan_spmd.command_line")
+        return
+    warnings.warn(message, category, stacklevel=level)

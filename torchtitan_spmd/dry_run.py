@@ -24,6 +24,7 @@ The report is printed and written as JSON to ``<job.dump_folder>/dry_run.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -96,6 +97,9 @@ class RoleReport:
     #: algorithms, see :func:`ring_bytes`) and how they were obtained.
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     comm_method: str = ""
+    #: What the model converters changed (:func:`~torchtitan_spmd.techniques.converters.converted_counts`):
+    #: float8 linears, LoRA's adapters, the frozen parameters (counted in the peak, not as gradients).
+    converted: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -114,6 +118,8 @@ class DryRunReport:
     total_params: int
     roles: list[RoleReport]
     seconds: float = 0.0
+    #: The vocabulary the model was sized with, and where it came from.
+    vocabulary: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON data (``fits`` of each role included)."""
@@ -128,6 +134,8 @@ class DryRunReport:
         lines = [f"dry run: {self.model} on {self.world_size} fake ranks, spmd_backend={self.spmd_backend}, "
                  + " ".join(f"{k}={v}" for k, v in self.degrees.items()),
                  f"  model parameters: {self.total_params:,} ({self.total_params / 1e9:.2f} B)"]
+        if self.vocabulary:
+            lines.append(f"  vocabulary: {self.vocabulary}")
         for r in self.roles:
             comm_text = ", ".join(f"{k} {_size(v)}" for k, v in r.comm_bytes_per_step.items()) or "none"
             lines += [
@@ -140,6 +148,8 @@ class DryRunReport:
                 f"{'fits' if r.fits else 'DOES NOT FIT'}",
                 f"    sent a step per mesh axis: {comm_text}",
             ]
+            if r.converted:  # model converters (float8, LoRA)
+                lines.append("    converted: " + ", ".join(f"{k} {v:,}" for k, v in r.converted.items()))
         lines.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
@@ -225,6 +235,7 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
     With TP it runs a backward on the meta device (:func:`_counted_comm`), which starts autograd's
     threads: a process that forks ranks afterwards cannot train in them (run it in a clean child: ``launcher.run_isolated``)."""
     from torchtitan_spmd.techniques.context_parallel import ContextParallel
+    from torchtitan_spmd.techniques.converters import converted_counts
     from torchtitan_spmd.techniques.pipeline_parallel import PipelineParallel
     validate_job, compose_model = phases.validate, phases.compose
 
@@ -274,15 +285,15 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
                 optimizer = _init_optimizer_states(job_config, params)
                 measured[key] = (sum(_local(p).numel() for p in params), sum(_nbytes(p) for p in params),
                                  optimizer_state_bytes(optimizer), _gathered_param_bytes(built, setup, job_config),
-                                 built_comm(job_config, setup, built, pipeline))
+                                 built_comm(job_config, setup, built, pipeline), converted_counts(built.model))
                 del built, optimizer, params
-            numel, param_bytes, opt_bytes, gathered, from_built = measured[key]
+            numel, param_bytes, opt_bytes, gathered, from_built, converted = measured[key]
             if counted is None:  # the collectives inside the model: the same for every role
                 counted = _counted_comm(job_config, setup, _microbatch(job_config, pipeline), axis_names(pd))
             comm, comm_method = comm_bytes_per_step(job_config, setup, pipeline, from_built, counted)
             act_bytes, act_method = activation_bytes(job_config, setup, None, pipeline)
             in_flight = _microbatches_in_flight(setup, pipeline)
-            peak = param_bytes * 2 + opt_bytes + act_bytes * in_flight + gathered
+            peak = param_bytes * 2 + opt_bytes + act_bytes * in_flight + gathered + converted.get("frozen_bytes", 0)
             roles.append(RoleReport(
                 role=name, rank=rank, ranks=count,
                 stages=list(pipeline.stage_indices) if pipeline is not None else [],
@@ -292,14 +303,27 @@ def dry_run(job_config: JobConfig, world_size: int, phases: SetupPhases) -> DryR
                 activation_bytes=act_bytes, activation_method=act_method,
                 activation_microbatches_in_flight=in_flight, gathered_param_bytes=gathered,
                 peak_bytes=peak, device_memory_bytes=int(job_config.comm.fake_device_memory_gib * 2**30),
-                comm_bytes_per_step=comm, comm_method=comm_method,
+                comm_bytes_per_step=comm, comm_method=comm_method, converted=converted,
             ))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return DryRunReport(model=f"{job_config.model.name}/{job_config.model.flavor}", world_size=world_size,
                         degrees=degrees, spmd_backend=job_config.parallelism.spmd_backend,
-                        total_params=total_params, roles=roles, seconds=time.perf_counter() - start)
+                        total_params=total_params, roles=roles, seconds=time.perf_counter() - start,
+                        vocabulary=vocabulary_source(job_config, setup0))
+
+
+def vocabulary_source(job_config: JobConfig, setup: Any) -> str:
+    """The model's vocabulary and where it came from, as the report says it: the flavour's own when
+    no tokenizer is given (``hf_assets_path`` unset), else the tokenizer's."""
+    vocab = setup.model_config.vocab_size
+    if job_config.model.flavor == "from_hf":
+        return f"{vocab:,} ids, the Hugging Face folder's config.json"
+    if job_config.hf_assets_path is None:
+        return f"{vocab:,} ids, the flavour's own (no tokenizer: hf_assets_path is unset)"
+    return (f"{vocab:,} ids, the tokenizer's of hf_assets_path={job_config.hf_assets_path!r} "
+            f"({setup.tokenizer.vocab_size:,} ids padded to a multiple of 64)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,24 +406,77 @@ def _balanced_expert_outputs(experts: nn.Module) -> Callable[..., torch.Tensor]:
     return balanced
 
 
-#: :func:`_count_saved`'s results in this process, by (model config, batch, seq, dtype).
-_SAVED_CACHE: dict[tuple[str, int, int, torch.dtype], tuple[list[int], int]] = {}
+#: :func:`_count_saved`'s results in this process, by (model config, batch, seq, dtype, selective AC).
+_SAVED_CACHE: dict[tuple[str, int, int, torch.dtype, str], tuple[list[int], int]] = {}
 
 
-def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype) -> tuple[list[int], int]:
+class _SelectiveSaves:
+    """What selective AC keeps of one block's forward, counted on meta as the real run's
+    ``create_selective_checkpoint_contexts`` keeps it: a dispatch mode asks the block's own per-op
+    policy (:func:`~torchtitan_spmd.techniques.activation_checkpoint.selective_policy`, fresh for
+    each forward, as each checkpoint's context) about every op and counts the outputs it saves;
+    attention (a flash kernel's saves on meta, :class:`_FlashAttentionSaves`) counts as the SDPA
+    op's output and log-sum-exp, which the policy saves. Plus the block's input, which the
+    checkpoint keeps to recompute the rest. Under tensor parallelism (the copy is unsharded) each
+    saved output counts ``1/tp`` of itself, except a rowwise linear's (the plan's weight
+    ``S(1)@tp``), which is the whole pending sum on every TP rank, plus, under sequence
+    parallelism, the ``1/tp`` its reduce-scatter returns (the policy saves reduce-scatters); the
+    block's input counts ``1/tp`` under sequence parallelism."""
+
+    def __init__(self, add: Callable[[torch.Tensor, float], None], tp: int, sequence_parallel: bool) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+        from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext  # noqa: PLC0415
+
+        self.policy: Callable[..., Any] | None = None
+        self.in_attention = False
+        #: inside a rowwise linear (weight ``S(1)@tp``): its output is the whole partial sum
+        self.rowwise = False
+        outer = self
+        saving = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204, D105
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if outer.policy is None or outer.in_attention or func is torch.ops.aten.detach.default:
+                    return out
+                ctx = SelectiveCheckpointContext(is_recompute=False)
+                if outer.policy(ctx, func, *args, **kwargs) in saving:
+                    for t in torch.utils._pytree.tree_leaves(out):
+                        if not isinstance(t, torch.Tensor):
+                            continue
+                        if outer.rowwise:  # the whole partial output; under SP also its reduce-scatter's
+                            add(t, 1.0)
+                            if tp > 1 and sequence_parallel:
+                                add(t.new_empty(t.shape), 1.0 / tp)
+                        else:  # colwise outputs, heads: 1/tp of the unsharded copy's
+                            add(t, 1.0 / tp)
+                return out
+
+        self.mode = Mode()
+
+
+def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype, selective: Any = None,
+                 tp: int = 1, sequence_parallel: bool = True) -> tuple[list[int], int]:
     """Saved-for-backward bytes of each block of a short copy of the model and of everything else
     (embedding, final norm, output, loss; the parameters a layer saves are not counted; attention
     keeps what a flash kernel keeps: :class:`_FlashAttentionSaves`), counted: an unsharded copy on
     the meta device runs forward and the loss on ``batch x seq`` tokens under saved-tensor hooks;
     each saved storage counted once, in the block that saved it first. The copy has one block, or,
     when the first ``first_k_dense_replace`` blocks are dense and the rest MoE (DeepSeek-V3), those
-    and one MoE block: block ``i`` of the model is then like block ``min(i, k)`` of the copy."""
+    and one MoE block: block ``i`` of the model is then like block ``min(i, k)`` of the copy.
+
+    ``selective`` (the ``activation_checkpoint`` section, mode ``"selective"``): a block keeps what
+    selective AC keeps of it (:class:`_SelectiveSaves`: its input and the outputs of the ops its
+    per-op policy saves), not what autograd would save without AC; then each block's bytes are
+    this rank's under ``tp`` (``sequence_parallel``) already."""
     import dataclasses  # noqa: PLC0415
 
     from torchtitan_spmd.models.common import ScaledDotProductAttention  # noqa: PLC0415
     from torchtitan_spmd.models.moe import GroupedExperts  # noqa: PLC0415
+    from torchtitan_spmd.techniques.activation_checkpoint import selective_policy  # noqa: PLC0415
 
-    key = (repr(setup.model_config), batch, seq, dtype)
+    key = (repr(setup.model_config), batch, seq, dtype, repr(selective), tp, sequence_parallel)
     if key in _SAVED_CACHE:
         return _SAVED_CACHE[key]
     config = setup.model_config
@@ -407,31 +484,77 @@ def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype) -> tuple[
     config = dataclasses.replace(config, n_layers=min(config.n_layers, dense + 1))
     with torch.device("meta"):
         model = setup.model_spec.build(config).to(dtype)
-    for module in model.modules():
-        if isinstance(module, ScaledDotProductAttention):
-            module.forward = _FlashAttentionSaves.apply  # type: ignore[method-assign]
-        if isinstance(module, GroupedExperts):
-            module.expert_outputs = _balanced_expert_outputs(module)  # type: ignore[method-assign]
     blocks = list(model.layers.values())
     # parameters a layer saves for its backward are not activations
     seen: dict[int, int] = {p.untyped_storage()._cdata: 0 for p in model.parameters()}
     where = {"block": -1}
     per = [0] * (len(blocks) + 1)  # the blocks', then the rest's (index -1)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    alive: list[torch.Tensor] = []  # what is counted stays alive: a freed storage's address is reused
+
+    def add(t: torch.Tensor, scale: float = 1.0) -> None:
         st = t.untyped_storage()
         if st._cdata not in seen:
             seen[st._cdata] = st.nbytes()
-            per[where["block"]] += st.nbytes()
+            per[where["block"]] += int(st.nbytes() * scale)
+            alive.append(t)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if selective is None or where["block"] < 0:  # under selective AC a block keeps only its policy's saves
+            add(t)
         return t
 
+    sac = _SelectiveSaves(add, tp, sequence_parallel) if selective is not None else None
+    if sac is not None:  # the linears the plan makes rowwise: their output stays whole on every TP rank
+        from torchtitan_spmd.distributed.layout import S  # noqa: PLC0415
+        from torchtitan_spmd.distributed.plan import fqn_matches  # noqa: PLC0415
+
+        rowwise = [pattern for pattern, plan in setup.plan.modules.items()
+                   if (w := plan.params.get("weight")) is not None and w.axis_types.get("tp") == S(1)]
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and any(fqn_matches(p, name) for p in rowwise):
+                module.register_forward_pre_hook(lambda *_: setattr(sac, "rowwise", True))
+                module.register_forward_hook(lambda *_: setattr(sac, "rowwise", False))
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+        args = (q, k, v) if positions is None else (q, k, v, positions)
+        if sac is None or sac.policy is None:
+            return _FlashAttentionSaves.apply(*args)
+        sac.in_attention = True
+        try:
+            out = _FlashAttentionSaves.apply(*args)
+        finally:
+            sac.in_attention = False
+        add(out, 1.0 / tp)  # the SDPA op's outputs, which the policy saves: the output and the log-sum-exp
+        add(q.new_empty(q.shape[:-1], dtype=torch.float32), 1.0 / tp)
+        return out
+
+    for module in model.modules():
+        if isinstance(module, ScaledDotProductAttention):
+            module.forward = attention  # type: ignore[method-assign]
+        if isinstance(module, GroupedExperts):
+            module.expert_outputs = _balanced_expert_outputs(module)  # type: ignore[method-assign]
+
+    def enter(i: int, args: tuple[Any, ...]) -> None:
+        where["block"] = i
+        if sac is not None:
+            add(args[0], 1.0 / tp if sequence_parallel else 1.0)  # the checkpoint keeps the block's input
+            sac.policy = selective_policy(blocks[i], selective, f"layers.{i}")
+
+    def leave() -> None:
+        where["block"] = -1
+        if sac is not None:
+            sac.policy = None
+
     for i, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda *_, i=i: where.__setitem__("block", i))
-        block.register_forward_hook(lambda *_: where.__setitem__("block", -1))
+        block.register_forward_pre_hook(lambda _m, args, i=i: enter(i, args))
+        block.register_forward_hook(lambda *_: leave())
     x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     # packed documents (block_causal): per-document positions, from which each attention builds its mask
     kwargs = {"positions": x} if getattr(config, "attn_mask_type", "causal") == "block_causal" else {}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+            sac.mode if sac is not None else contextlib.nullcontext()):
         logits = model(x, **kwargs)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
     _SAVED_CACHE[key] = (per[:-1], per[-1])
@@ -445,8 +568,9 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     (``local_batch_size`` or the pipeline microbatch, times ``seq_len / cp``), then scaled by
     ``1 / tp`` (tensor and sequence parallelism shard what a block saves, to first order), times
     the blocks this rank holds. ``activation_checkpoint.mode="full"``: a block keeps only its input
-    (``tokens x dim`` in the compute dtype, sequence-sharded under SP). Selective AC is counted as
-    no AC (an upper bound). The embedding, final norm, output and loss go to the rank holding the
+    (``tokens x dim`` in the compute dtype, sequence-sharded under SP). ``"selective"``: a block
+    keeps its input and the outputs its per-op policy saves, counted with the real run's policy
+    (:class:`_SelectiveSaves`). The embedding, final norm, output and loss go to the rank holding the
     output. MoE blocks are counted as if routing were balanced (:func:`_balanced_expert_outputs`).
     """
     from torchtitan_spmd.config import TORCH_DTYPE_MAP  # noqa: PLC0415
@@ -459,16 +583,20 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
              else setup.model_spec.part_names(setup.model_config))
     indices = [int(m.split(".")[1]) for m in names if m.startswith("layers.")]
     holds_output = "output" in names
-    blocks, rest = _count_saved(setup, batch, training.seq_len // pd.cp, dtype)
-    mode = ac_section(job_config.activation_checkpoint).mode
+    ac = ac_section(job_config.activation_checkpoint)
+    mode = ac.mode
+    sp = job_config.parallelism.enable_sequence_parallel
+    blocks, rest = _count_saved(setup, batch, training.seq_len // pd.cp, dtype,
+                                selective=ac if mode == "selective" else None, tp=pd.tp, sequence_parallel=sp)
     if mode == "full":
         dim = setup.model_config.dim
-        per_block = tokens * dim * dtype.itemsize // (pd.tp if job_config.parallelism.enable_sequence_parallel else 1)
+        per_block = tokens * dim * dtype.itemsize // (pd.tp if sp else 1)
         total = len(indices) * per_block
         how = "counted (full AC: each block keeps its input)"
-    else:
-        total = sum(blocks[min(i, len(blocks) - 1)] for i in indices) // pd.tp
-        how = "counted on one block on meta, scaled by 1/tp" + (" (selective AC counted as none)" if mode == "selective" else "")
+    else:  # selective: the blocks' bytes are this rank's already
+        total = sum(blocks[min(i, len(blocks) - 1)] for i in indices) // (1 if mode == "selective" else pd.tp)
+        how = "counted on one block on meta, scaled by 1/tp" + (
+            " (selective AC: the block's input and what its per-op policy saves)" if mode == "selective" else "")
     return total + (rest // pd.tp if holds_output else 0), how
 
 
@@ -623,6 +751,7 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
     from torchtitan_spmd.distributed.utils import get_train_context  # noqa: PLC0415
     from torchtitan_spmd.techniques.activation_checkpoint import apply_ac  # noqa: PLC0415
     from torchtitan_spmd.techniques.context_parallel import ContextParallel, apply_context_parallel  # noqa: PLC0415
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model  # noqa: PLC0415
     from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches  # noqa: PLC0415
     from torchtitan_spmd.techniques.loss import cross_entropy_loss  # noqa: PLC0415
     from torchtitan_spmd.techniques.moe import moe_blocks  # noqa: PLC0415
@@ -640,6 +769,7 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
         config = dataclasses.replace(setup.model_config, n_layers=layers)
         with torch.device("meta"):
             model = setup.model_spec.build(config).to(dtype)  # FSDP's param_dtype: activations in it
+        convert_model(model, build_converters(job_config.model.converters, dry_run=True))  # as compose_model: the plan names them
         for block in moe_blocks(model):
             block.forward = lambda x: x * 1.0  # type: ignore[method-assign]
         context_parallel = ContextParallel.from_config(job_config, pd)

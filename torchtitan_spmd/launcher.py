@@ -31,6 +31,46 @@ import torch.multiprocessing as mp
 __all__ = ["WorkerError", "run_forked", "run_isolated"]
 
 
+#: When set to a file path, every launch appends one JSON line to it: the test that launched
+#: (``PYTEST_CURRENT_TEST``), the function, the world size, and rank 0's seconds from fork to the
+#: end of its work and within ``fn`` alone. ``bench/suite_profile.py`` reads it.
+PROFILE_ENV = "TORCHTITAN_SPMD_LAUNCH_PROFILE"
+
+
+def _record_launch(fn: Callable[..., Any], world_size: int, wall_s: float, workdir: str,
+                   args: tuple[Any, ...]) -> None:
+    """Append the launch's line to the profile file, when one is asked for."""
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return
+    import hashlib
+    import json
+
+    inner = fn.__closure__[0].cell_contents if getattr(fn, "__closure__", None) else fn
+    try:  # the same function on the same arguments twice: a run two tests could share
+        digest: str | None = hashlib.sha1(pickle.dumps(
+            (getattr(inner, "__qualname__", ""), world_size, args))).hexdigest()[:16]
+    except Exception:  # noqa: BLE001 - unpicklable arguments: no digest
+        digest = None
+
+    work_s = None
+    try:
+        with open(os.path.join(workdir, "rank0.work"), encoding="utf-8") as f:
+            work_s = float(f.read())
+    except (OSError, ValueError):
+        pass
+    line = json.dumps({
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+        "fn": getattr(fn, "__qualname__", repr(fn)),
+        "world_size": world_size,
+        "wall_s": round(wall_s, 4),
+        "work_s": None if work_s is None else round(work_s, 4),
+        "args_digest": digest,
+    })
+    with open(path, "a", encoding="utf-8") as f:  # one short append per launch
+        f.write(line + "\n")
+
+
 class WorkerError(RuntimeError):
     """A rank raised; the message holds that rank's traceback."""
 
@@ -60,9 +100,13 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        ready = time.monotonic()
         try:
             result: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
         finally:
+            if rank == 0 and os.environ.get(PROFILE_ENV):
+                with open(os.path.join(workdir, "rank0.work"), "w", encoding="utf-8") as f:
+                    f.write(str(time.monotonic() - ready))
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure, then exit non-zero
         result = ("error", traceback.format_exc())
@@ -84,13 +128,17 @@ def run_forked(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
 
-    Returns the per-rank return values, in rank order. Raises :class:`WorkerError`
-    with the failing ranks' tracebacks if any rank raises, and ``TimeoutError``
-    (after killing the ranks) if they do not finish within ``timeout_s``.
+    Returns the per-rank return values, in rank order. Raises :class:`WorkerError` if any rank
+    raises or exits without a result: its first line says what each failing rank did (``rank 1
+    raised ValueError: ...; rank 2 exited with code 3 without a result (of 4 ranks)``), the
+    failing ranks' tracebacks follow. Raises ``TimeoutError`` naming the ranks still running
+    (after killing them) if they do not finish within ``timeout_s``. Nothing outlives the call:
+    the next launch starts from fresh processes.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     with tempfile.TemporaryDirectory(prefix="tts-mp-") as workdir:
+        launched = time.monotonic()
         ctx = mp.start_processes(
             _worker,
             args=(fn, world_size, workdir, args, timeout_s),
@@ -100,10 +148,12 @@ def run_forked(
         )
         deadline = time.monotonic() + timeout_s
         failure: BaseException | None = None
+        hung: list[int] = []
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"forked ranks did not finish within {timeout_s:.0f} s")
+                    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+                    break
         except mp.ProcessRaisedException as err:  # pragma: no cover - we catch in-worker
             failure = err
         except mp.ProcessExitedException as err:
@@ -113,24 +163,44 @@ def run_forked(
                 if p.is_alive():
                     p.kill()
                     p.join()
+        _record_launch(fn, world_size, time.monotonic() - launched, workdir, args)
+        if hung:
+            done = [r for r in range(world_size) if r not in hung]
+            raise TimeoutError(
+                f"rank(s) {', '.join(map(str, hung))} of {world_size} did not finish within "
+                f"{timeout_s:.0f} s and were killed"
+                + (f" (rank(s) {', '.join(map(str, done))} had finished)" if done else ""))
         results: list[Any] = []
         errors: list[str] = []
+        summary: list[str] = []
         for rank in range(world_size):
             path = os.path.join(workdir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {rank}: exited without a result (killed, or ended by a failing rank)")
+                code = ctx.processes[rank].exitcode
+                errors.append(f"rank {rank}: exited without a result (exit code {code}: killed, "
+                              f"or ended by a failing rank)")
+                summary.append(f"rank {rank} exited with code {code} without a result")
                 results.append(None)
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
+                summary.append(f"rank {rank} raised {_last_line(value)}")
                 results.append(None)
             else:
                 results.append(value)
         if errors:
-            raise WorkerError("\n".join(errors)) from failure
+            # One line first (what each failing rank did), then every failing rank's traceback.
+            raise WorkerError(f"{'; '.join(summary)} (of {world_size} ranks)\n" + "\n".join(errors)) \
+                from failure
         return results
+
+
+def _last_line(traceback_text: str) -> str:
+    """The exception line of a formatted traceback (its last non-empty line)."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "an exception"
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> Any:

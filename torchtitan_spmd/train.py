@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +64,23 @@ from torchtitan_spmd.dry_run import (
 from torchtitan_spmd.dry_run import dry_run as _dry_run_with
 from torchtitan_spmd.models import get_model_spec, hf_config
 from torchtitan_spmd.techniques.activation_checkpoint import apply_ac
-from torchtitan_spmd.techniques.compile import apply_compile, maybe_compile_loss, validate_compile
+from torchtitan_spmd.techniques.compile import (
+    apply_compile,
+    maybe_compile_loss,
+    maybe_enable_async_tp,
+    validate_async_tp,
+    validate_compile,
+)
 from torchtitan_spmd.techniques.context_parallel import (
     ContextParallel,
     apply_context_parallel,
     validate_context_parallel,
+)
+from torchtitan_spmd.techniques.converters import (
+    bind_converted,
+    build_converters,
+    convert_model,
+    converter_plan,
 )
 from torchtitan_spmd.techniques.expert_parallel import (
     apply_expert_parallel,
@@ -268,6 +280,16 @@ def packed_documents_eos(model_config: Any, tokenizer: Any, job_config: JobConfi
     return int(eos)
 
 
+def model_vocab_size(job_config: JobConfig, tokenizer: Any) -> int | None:
+    """The vocabulary the model is built with: the tokenizer's (``model_vocab_size``: padded to a
+    multiple of 64), or None, the flavour's own, in a dry run (``comm.mode="fake_backend"``) given
+    no tokenizer (``hf_assets_path`` unset): it sizes the model the recipe names, not one with the
+    byte tokenizer's 320 ids."""
+    if job_config.comm.mode == "fake_backend" and job_config.hf_assets_path is None:
+        return None
+    return tokenizer.model_vocab_size
+
+
 def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> JobSetup:
     """Every check of ``job_config`` that can fail at setup, in one phase, before any mesh or
     model is built: each raises ``ValueError``/``TypeError`` naming the field.
@@ -286,10 +308,10 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
     parallel_dims = ParallelDims.from_config(par, world_size, device_type=device_type)
     model_spec = get_model_spec(job_config.model.name)
     # hf_assets_path's tokenizer.json, else the byte tokenizer; the model's vocabulary
-    # is the tokenizer's (padded to a multiple of 64).
+    # is the tokenizer's (padded to a multiple of 64), or in a dry run without a tokenizer the flavour's.
     tokenizer = build_tokenizer(job_config.hf_assets_path)
     model_config = hf_config.resolve_model_config(
-        model_spec, job_config, vocab_size=tokenizer.model_vocab_size,
+        model_spec, job_config, vocab_size=model_vocab_size(job_config, tokenizer),
         # RoPE tables sized to the run (upstream's update_from_config: max_seq_len = training.seq_len).
         max_seq_len=job_config.training.seq_len)
     check_vocab_size(model_config.vocab_size, tokenizer, model=f"{job_config.model.name}/{job_config.model.flavor}")
@@ -304,6 +326,7 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         with torch.device("meta"):
             validate_param_groups(job_config.optimizer, model_spec.build(model_config))
     validate_compile(job_config, representation)
+    validate_async_tp(job_config, device_type)  # the dry run accepts it; a real run needs CUDA
     training = job_config.training
     stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
@@ -314,6 +337,10 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
         loss_parallel=not par.disable_loss_parallel,
     ), parallel_dims)
     validate_validator(job_config, stages)
+    # the converters' checks (torchao, the GPU, their fields: one line), then their parameters' layouts
+    plan = converter_plan(plan, build_converters(job_config.model.converters,
+                                                 dry_run=job_config.comm.mode == "fake_backend"),
+                          model_spec, model_config)
     return JobSetup(parallel_dims=parallel_dims, model_spec=model_spec, model_config=model_config,
                     tokenizer=tokenizer, representation=representation, plan=plan, stages=stages,
                     gradient_accumulation_steps=steps,
@@ -405,21 +432,25 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     clear_dtensor_sharding_caches()
     with torch.device("meta"):
         model = model_spec.build(model_config)
+    # float8, LoRA: before every parallelism (a dry run sizes a GPU job: no GPU checks)
+    convert_model(model, build_converters(cfg.model.converters, dry_run=cfg.comm.mode == "fake_backend"))
     set_force_load_balance(model, cfg.debug.moe_force_load_balance)
     moe_over_stages = pipeline is not None and bool(moe_blocks(model))
     if pipeline is not None:
         model, plan = pipeline.split(model, plan)
     apply_context_parallel(model, plan, context_parallel)
     state_layouts = apply_plan(model, plan, rep)
+    bind_converted(model, state_layouts, parallel_dims, rep)
     apply_expert_parallel(model, rep, state_layouts)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
+        maybe_enable_async_tp(cfg, parallel_dims, device_type)
         apply_compile(model, cfg.compile, fullgraph=not parallel_dims.ep_enabled)
     roots = pipeline.stage_modules(model) if pipeline is not None else [model]
     apply_fsdp(model, plan, rep,
                param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],  # type: ignore[arg-type]
                reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce],  # type: ignore[arg-type]
-               reshard_after_forward=False if pipeline is not None else None, roots=roots)
+               reshard_after_forward=False if pipeline is not None else None, roots=roots, layouts=state_layouts)
     if materialize:
         for root in roots:  # each FSDP root materialises its own parameters
             init_weights(root, states_of(root, state_layouts), rep, seed=seed, device=device_type)
@@ -481,6 +512,14 @@ class Trainer:
         self.local_rows = setup.local_rows
         #: block_causal: the EOS id that splits packed documents (None: causal).
         self.packed_documents_eos = packed_documents_eos(self.model_config, self.tokenizer, job_config)
+        if self.rank == 0:  # the job's header: first, before the start-up lines of the steps below
+            logger.info(f"job: {job_config.job.description}")
+            logger.info(
+                f"torchtitan_spmd: {self.world_size} rank(s) on {self.device_type}, "
+                f"spmd_backend={job_config.parallelism.spmd_backend}, "
+                f"model={job_config.model.name}/{job_config.model.flavor}, "
+                f"degrees {degrees_line(self.parallel_dims)}"
+            )
 
         # 3. the meshes; torch creates their groups with its default timeout (30 min): every
         # group gets comm.init_timeout_seconds until the first step is done
@@ -902,6 +941,28 @@ def _rank() -> int:
     return int(rank) if rank.isdigit() else 0
 
 
+class _RankZeroLines(logging.Filter):
+    """Keep a record on a rank other than 0 only when it is an error or marked ``every_rank`` (a line
+    only that rank knows, which names its ranks): every rank runs the same job, so rank 0's copy of an
+    informational line or a warning is the job's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, "every_rank", False))
+
+
+def once_per_job(rank: int) -> None:
+    """The command's lines once per job, not once per rank: on a rank other than 0 the root logger's
+    handlers keep errors and ``every_rank`` records only, and Python's warnings are off unless asked for
+    (``-W`` or ``PYTHONWARNINGS``: then every rank shows its own)."""
+    if rank == 0:
+        return
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _RankZeroLines) for f in handler.filters):
+            handler.addFilter(_RankZeroLines())
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m torchtitan_spmd.train`` (normally under torchrun).
 
@@ -918,6 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not sys.warnoptions:
         warnings.simplefilter("default", DeprecationWarning)
+    once_per_job(_rank())
     # Every rank parses the same command line: rank 0 alone shows what the parser prints
     # (tyro's error box, --help) and the deprecation warnings of legacy spellings.
     quiet = _rank() != 0
@@ -957,13 +1019,6 @@ def run_job(job_config: JobConfig) -> int:
         trainer = Trainer(job_config)
         trainer.stop_request = stop
         if trainer.rank == 0:
-            par = asdict(job_config.parallelism)
-            logger.info(f"job: {job_config.job.description}")
-            logger.info(
-                f"torchtitan_spmd: {trainer.world_size} rank(s) on {trainer.device_type}, "
-                f"spmd_backend={par['spmd_backend']}, model={job_config.model.name}/{job_config.model.flavor}, "
-                f"degrees {degrees_line(trainer.parallel_dims)}"
-            )
             _write_outputs(job_config)
         records = trainer.run()
         if trainer.rank == 0 and records:

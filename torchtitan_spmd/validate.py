@@ -1,7 +1,10 @@
 """The validation loop of ``[validator]`` (upstream's ``Validator``, a0c831c49; the loss as HEAD).
 
 At step 1 and every ``validator.freq`` steps the trainer runs ``validator.steps`` validation
-batches: the model in eval mode (restored after), under ``torch.no_grad``, in the same train
+batches from the start of the validation data (a fresh loader at each validation, as upstream's
+``validate()`` builds one, so every validation measures the same batches), or with
+``validator.steps = -1`` one pass over a file dataset (upstream's ``infinite=False``: every whole
+global batch of the set, the same count on every rank). The model in eval mode (restored after), under ``torch.no_grad``, in the same train
 context, autocast and representation as training, on every backend. The loss is upstream
 HEAD's (#4167) **token-weighted** mean: the sum of every rank's per-token losses over every
 validation batch, divided by the number of non-ignored tokens of all of them (not the mean
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_spmd.data import build_dataloader
+from torchtitan_spmd.data import build_dataloader, load_documents
 from torchtitan_spmd.techniques.loss import global_loss_value, global_token_count
 
 __all__ = ["ValidationRecord", "Validator", "validate_validator"]
@@ -35,7 +38,8 @@ __all__ = ["ValidationRecord", "Validator", "validate_validator"]
 
 @dataclass(frozen=True)
 class ValidationRecord:
-    """One validation: the token-weighted mean loss over ``steps`` batches and ``tokens`` tokens."""
+    """One validation: the token-weighted mean loss over ``steps`` batches (those validated) and
+    ``tokens`` tokens."""
 
     step: int
     loss: float
@@ -75,15 +79,35 @@ class Validator:
         self.trainer = trainer
         cfg = trainer.job_config
         self.config = cfg.validator
-        batch_mesh = trainer.parallel_dims.get_optional_mesh("batch")
         data = self.config.dataloader
-        self.dataloader: Iterator[tuple[torch.Tensor, torch.Tensor]] = build_dataloader(
+        #: A file dataset's documents, read once (each validation packs them afresh); None: synthetic.
+        self.documents: Any = None
+        if data.dataset != "synthetic":
+            self.documents = load_documents(data.dataset, data.dataset_path)
+        if self.config.steps == -1:  # one pass: a set shorter than one global batch would validate nothing
+            try:
+                next(self.build_dataloader())
+            except StopIteration:
+                raise ValueError(
+                    f"validator.steps=-1: validator.dataloader.dataset={data.dataset!r} at "
+                    f"{data.dataset_path!r} holds fewer tokens than one global validation batch "
+                    f"(training.local_batch_size x data-parallel degree rows of training.seq_len + 1 "
+                    f"= {cfg.training.seq_len + 1} tokens): give it more documents, or set validator.steps."
+                ) from None
+
+    def build_dataloader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A fresh validation loader at the start of the validation data (upstream builds one in
+        every ``validate()``): endless with ``validator.steps >= 1``, one pass with -1."""
+        t = self.trainer
+        batch_mesh = t.parallel_dims.get_optional_mesh("batch")
+        data = self.config.dataloader
+        return build_dataloader(
             dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
             dp_degree=batch_mesh.size() if batch_mesh is not None else 1,
-            local_batch_size=trainer.local_rows, seq_len=cfg.training.seq_len,  # one schedule iteration under PP
+            local_batch_size=t.local_rows, seq_len=t.job_config.training.seq_len,  # one schedule iteration under PP
             # synthetic validation data is a stream held out from training's (another seed)
-            seed=trainer.seed + 1, dataset=data.dataset, dataset_path=data.dataset_path,
-            tokenizer=trainer.tokenizer,
+            seed=t.seed + 1, dataset=data.dataset, dataset_path=data.dataset_path,
+            tokenizer=t.tokenizer, infinite=self.config.steps != -1, documents=self.documents,
         )
 
     def should_validate(self, step: int) -> bool:
@@ -92,7 +116,8 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, step: int) -> ValidationRecord:
-        """Run ``validator.steps`` batches and return their token-weighted mean loss (every rank alike)."""
+        """Run ``validator.steps`` batches (-1: one pass) of a fresh loader and return their
+        token-weighted mean loss (every rank alike)."""
         t = self.trainer
         rep, pipeline = t.representation, t.pipeline
         start = time.perf_counter()
@@ -101,10 +126,13 @@ class Validator:
         was_training = [m.training for m in modules]
         for m in modules:
             m.eval()
-        weighted, tokens = 0.0, 0.0
+        weighted, tokens, batches = 0.0, 0.0, 0
+        dataloader = self.build_dataloader()
         try:
-            for _ in range(self.config.steps):
-                inputs, labels = next(self.dataloader)
+            for inputs, labels in dataloader:  # -1: the whole pass; otherwise the first `steps` batches
+                if self.config.steps != -1 and batches >= self.config.steps:
+                    break
+                batches += 1
                 [(inputs, labels)], [positions] = t.prepare_batch(inputs.to(t.device_type), labels.to(t.device_type))
                 with t.train_context():
                     count = global_token_count([labels], rep)
@@ -127,5 +155,5 @@ class Validator:
             for m, mode in zip(modules, was_training, strict=True):
                 m.train(mode)
         mean = weighted / tokens if tokens > 0 else float("nan")
-        return ValidationRecord(step=step, loss=mean, tokens=int(tokens), steps=self.config.steps,
+        return ValidationRecord(step=step, loss=mean, tokens=int(tokens), steps=batches,
                                 seconds=time.perf_counter() - start)

@@ -8,8 +8,14 @@ Each fenced block is preceded by an HTML comment saying what happens to it::
     <!-- doc-check: output -->             what the runnable block before it prints: every line
                                            must appear in that block's output, in order (`...`
                                            inside a line matches anything; a line `...` skips)
+    <!-- doc-check: illustration (regenerate: COMMAND) -->
+                                           a sample (an output, an error line, a listing) that
+                                           no test compares; COMMAND is how to make it afresh
 
-A block without such a comment fails :func:`test_every_block_is_tagged`.
+A block without such a comment fails :func:`test_every_block_is_tagged`, and so does a block
+that shows an output (no language, ``text`` or ``console``) tagged anything but ``output`` or
+``illustration``: every sample is either compared or says how to regenerate it. A figure quoted
+in prose comes from a compared block: :data:`QUOTES` and :func:`test_quoted_figures_are_checked_ones`.
 
 How a runnable block runs: the blocks of one page run in order in one scratch folder (one per
 page, so a page's later blocks see what its earlier ones wrote), which holds a link to the
@@ -37,8 +43,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LONG = os.environ.get("DOCS_LONG", "") not in ("", "0")
-TAG = re.compile(r"^<!-- doc-check: (ci|long|output|no-run)\b(.*?)-->\s*$")
+TAG = re.compile(r"^<!-- doc-check: (ci|long|output|illustration|no-run)\b(.*?)-->\s*$")
 RUNNABLE = {"python", "bash", "sh", "shell"}
+OUTPUT_LANGS = {"", "text", "console", "output"}  # a block that shows what something printed
 
 
 @dataclass
@@ -89,6 +96,11 @@ def test_every_block_is_tagged() -> None:
     assert not no_reason, f"no-run blocks must say why: {no_reason}"
     wrong = [b.where for b in ALL if b.tag in ("ci", "long") and b.lang not in RUNNABLE]
     assert not wrong, f"ci/long blocks must be python or bash: {wrong}"
+    samples = [b.where for b in ALL if b.lang in OUTPUT_LANGS and b.tag not in ("output", "illustration")]
+    assert not samples, ("output blocks neither compared (`output` after a ci/long block) nor marked "
+                         f"`illustration (regenerate: COMMAND)`: {samples}")
+    no_command = [b.where for b in ALL if b.tag == "illustration" and not re.search(r"\bregenerate: \S", b.note)]
+    assert not no_command, f"illustrations must say `(regenerate: COMMAND)`: {no_command}"
     orphans = [b.where for i, b in enumerate(ALL) if b.tag == "output"
                and not (i and ALL[i - 1].page == b.page and ALL[i - 1].tag in ("ci", "long"))]
     assert not orphans, f"output blocks must follow a runnable block: {orphans}"
@@ -208,3 +220,71 @@ def test_blocks_said_to_be_the_same_as_a_checked_one_are() -> None:
     for block, page in claims:
         checked = [b.text for b in blocks_of(ROOT / page) if b.tag in ("ci", "long")]
         assert block.text in checked, f"{block.where} is not a checked block of {page}"
+
+
+def test_illustrations_said_to_be_the_head_of_a_block_are() -> None:
+    """An ``illustration`` whose note says it is "the head of docs/X.md's output" is, line for line,
+    the start of an ``output`` block of that page (the README's copy of the dry-run report)."""
+    claims = [(b, m.group(1)) for b in ALL if b.tag == "illustration"
+              for m in [re.search(r"the head of (docs/[\w.-]+\.md)'s output", b.note)] if m]
+    assert claims, "the README's dry-run report makes such a claim"
+    for block, page in claims:
+        outputs = [b.text.strip("\n").splitlines() for b in blocks_of(ROOT / page) if b.tag == "output"]
+        head = block.text.strip("\n").splitlines()
+        if head and head[-1].strip() == "...":
+            head = head[:-1]
+        assert any(lines[:len(head)] == head for lines in outputs), (
+            f"{block.where} is not the head of an output block of {page}")
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A figure in a page's prose and the compared output line it comes from."""
+
+    page: str
+    prose: str
+    """A regular expression of the prose; its groups are the figures."""
+
+    source: str
+    """The page whose ``output`` block holds the figures."""
+
+    line: str
+    """A regular expression of that block's line; its groups are the same figures, unrounded."""
+
+
+#: Every figure quoted in prose from a command's output.
+QUOTES = [
+    Quote("docs/configuration.md", r"`nox -s train` \(50 steps of `debugmodel`, FSDP 2 × TP 2\) takes the "
+          r"loss\s+from ([\d.]+) to ([\d.]+)", "README.md", r"done: loss ([\d.]+) -> ([\d.]+) in 50 steps"),
+    Quote("README.md", r"the `nox -s train` run above takes the loss\s+from ([\d.]+) to ([\d.]+)",
+          "README.md", r"done: loss ([\d.]+) -> ([\d.]+) in 50 steps"),
+    Quote("README.md", r"405B recipe as written \(TP 8, async TP, compile\) on 16,384\s+ranks, about 3 minutes; "
+          r"each rank holds ([\d.]+)x parameters / world",
+          "docs/dry-run.md", r"405b: .*, per-rank parameters [\d,]+ = ([\d.]+)x total/world \([\d,]+\)"),
+]
+
+
+def _same_figure(quoted: str, measured: str) -> bool:
+    """``quoted`` is ``measured``, or ``measured`` rounded to ``quoted``'s decimals."""
+    if quoted == measured:
+        return True
+    try:
+        decimals = len(quoted.partition(".")[2])
+        return float(quoted) == round(float(measured), decimals)
+    except ValueError:
+        return False
+
+
+def test_quoted_figures_are_checked_ones() -> None:
+    """Each figure of :data:`QUOTES` is in a compared ``output`` block (one after a ci/long block),
+    and the prose quotes it as that block has it: a stale figure fails here, with no run."""
+    for quote in QUOTES:
+        prose = re.search(quote.prose, (ROOT / quote.page).read_text())
+        assert prose, f"{quote.page}: no prose matching {quote.prose!r} (reworded? update QUOTES)"
+        found = [m for b in blocks_of(ROOT / quote.source) if b.tag == "output"
+                 for line in b.text.splitlines() for m in [re.fullmatch(quote.line, line.strip())] if m]
+        assert len(found) == 1, f"{quote.source}: {len(found)} output lines match {quote.line!r}, not one"
+        for quoted, measured in zip(prose.groups(), found[0].groups(), strict=True):
+            assert _same_figure(quoted, measured), (
+                f"{quote.page} quotes {quoted}, but the checked output in {quote.source} says {measured}: "
+                f"{prose.group(0)!r}")

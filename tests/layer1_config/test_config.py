@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import typing
 import warnings
@@ -419,3 +420,21 @@ def test_from_dict_errors(data: dict, needles: list[str]) -> None:
         JobConfig.from_dict(data)
     for needle in needles:
         assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("cls", [JobConfig, *JobConfig.section_types().values()], ids=lambda c: c.__name__)
+def test_a_none_default_is_not_described_as_another_value(cls: type) -> None:
+    """``--help`` prints a field's dataclass default; a field whose default is None (resolved later)
+    must not call another value "the default" (``-1 (the default)``, ``; default 8``) unless it
+    says what None means (was: ``training.num_tokens_per_train_step``, shown "(default: None)")."""
+    docs = _field_docs(cls)
+    wrong = []
+    for f in dataclasses.fields(cls):
+        if f.default is not None:
+            continue
+        doc = " ".join(docs.get(f.name, "").split())
+        called = [w for w in re.findall(r"([^\s(]+) \(the default\)", doc) if "None" not in w]
+        numbered = re.search(r"\(default [^N)]|; default \d", doc)
+        if called or (numbered and "unset" not in doc.lower() and "None" not in doc):
+            wrong.append(f"{cls.__name__}.{f.name}: {doc[:120]}")
+    assert not wrong, "\n".join(wrong)

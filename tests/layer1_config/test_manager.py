@@ -186,11 +186,38 @@ def test_help_lists_the_forks_options_with_their_docstrings(capsys: pytest.Captu
 
 def test_help_without_a_module_explains_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as err:
-        parse("--help")
+        parse("--help-all")
     assert err.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--module M --config C" in out and "--job.config_file" in out
     assert "--debug.spmd-typechecking" in out
+
+
+#: The short ``--help``: 3 usage lines, the contract, one line per section and the root field.
+HELP_LINE_BUDGET = 30
+
+
+def test_short_help_is_one_screen_of_plain_text(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    fake_main = type(sys)("__main__")
+    fake_main.__spec__ = importlib.util.find_spec("torchtitan_spmd.config.__main__")  # as `python -m` sets it
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    with pytest.raises(SystemExit) as err:
+        parse("--help")
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) <= HELP_LINE_BUDGET, len(lines)
+    assert lines[0] == "usage: python -m torchtitan_spmd.config --module M --config C [--section.field VALUE ...]"
+    assert "--help-all" in out
+    for markup in ("``", ":class:", ":func:", ":mod:", "/work", ".py "):
+        assert markup not in out, markup
+    assert all(len(line) <= 100 for line in lines)
+    for name in JobConfig.section_types():
+        assert sum(line.startswith(f"  {name} ") for line in lines) == 1, name
 
 
 @dataclasses.dataclass

@@ -58,28 +58,44 @@ def _scratch_project(tmp_path: Path, test_body: str) -> Path:
     return root
 
 
-def _nox(root: Path, session: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHTITAN_SPMD_TORCH"}
+def _nox(root: Path, session: str, *posargs: str, workers: str = "1") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k != "TORCHTITAN_SPMD_TORCH" and not k.endswith("_PROFILE")}  # not the outer profile's
+    env["TORCHTITAN_SPMD_TEST_WORKERS"] = workers
     return subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), "-s", session],
+        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), "-s", session,
+         *(["--", *posargs] if posargs else [])],
         cwd=root, capture_output=True, text=True, timeout=120, env=env,
     )
 
 
 def test_cpu_tests_fail_when_no_test_is_collected(tmp_path: Path) -> None:
     root = _scratch_project(tmp_path, "X = 1  # no tests here\n")
-    proc = _nox(root, "cpu_tests(backend='common')")
+    proc = _nox(root, "cpu_tests", "--backend=common")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert "no tests ran" in out and "Session cpu_tests(backend='common') failed" in out, out
+    assert "no tests ran" in out and "Session cpu_tests failed" in out, out
 
 
 def test_cpu_tests_pass_when_tests_pass(tmp_path: Path) -> None:
     root = _scratch_project(tmp_path, "def test_ok():\n    assert True\n")
-    proc = _nox(root, "cpu_tests(backend='common')")
+    proc = _nox(root, "cpu_tests", "--backend=common")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "1 passed" in out, out
+
+
+def test_cpu_tests_spread_over_the_workers_asked_for(tmp_path: Path) -> None:
+    """Two workers: pytest-xdist starts two, each test's torch on one thread; a bad count is one line."""
+    root = _scratch_project(tmp_path, "import os\n\n\ndef test_a():\n    assert os.environ['OMP_NUM_THREADS'] == '1'\n\n\n"
+                                      "def test_b():\n    assert os.environ['PYTEST_XDIST_WORKER']\n")
+    proc = _nox(root, "cpu_tests", workers="2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "2 workers [2 items]" in out and "2 passed" in out, out
+    bad = _nox(root, "cpu_tests", workers="two")
+    assert bad.returncode != 0 and "TORCHTITAN_SPMD_TEST_WORKERS='two': expected a whole number >= 1" in \
+        bad.stdout + bad.stderr
 
 
 def test_another_torch_gets_its_own_venv() -> None:

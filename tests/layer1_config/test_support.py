@@ -125,3 +125,29 @@ def test_table_rows_name_real_fields_of_torchtitans_sections() -> None:
     names = {row.field for row in UNSUPPORTED}
     assert not names & {"spmd_backend", "tensor_parallel_degree", "seed", "steps", "mixed_precision_param",
                         "global_batch_size", "components"}
+
+
+def test_every_unsupported_fields_help_says_so() -> None:
+    """``--help`` of a field in :data:`UNSUPPORTED` says that the trainer refuses it: its docstring (what
+    tyro prints) contains "not implemented by torchtitan_spmd", and names the refused values of a
+    field that also allows some (a help text describing the feature as available was the bug)."""
+    import ast
+    import inspect
+    import textwrap
+
+    wrong = []
+    for row in UNSUPPORTED:
+        body = ast.parse(textwrap.dedent(inspect.getsource(row.section))).body[0].body  # type: ignore[attr-defined]
+        doc = next(nxt.value.value for node, nxt in zip(body, body[1:], strict=False)
+                   if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                   and node.target.id == row.field and isinstance(nxt, ast.Expr))
+        flat = " ".join(doc.split())
+        note = flat.lower().partition("not implemented by torchtitan_spmd")[2]
+        if not note:
+            wrong.append(f"{row.section.__name__}.{row.field}: the help does not say it is not implemented")
+            continue
+        allowed = {row.default(), *row.also_allowed}
+        refused = [v for v in get_args(typing.get_type_hints(row.section)[row.field]) if v not in allowed]
+        if row.also_allowed and not all(f'"{v}"' in note for v in refused):
+            wrong.append(f"{row.section.__name__}.{row.field}: the note does not name {refused}")
+    assert not wrong, "\n".join(wrong)

@@ -179,8 +179,20 @@ def test_upstreams_own_tyro_parse_takes_august_spellings(surface, spelling: str)
 def test_unimplemented_august_fields_are_setup_errors(field: str, value: object, feature: str) -> None:
     with pytest.raises(ValueError, match=f"training.{field}.*{feature}"):
         check_supported(JobConfig(training=TrainingConfig(**{field: value})))
-    with pytest.raises(ValueError, match="compile.enable_async_tensor_parallel"):
-        check_supported(JobConfig(compile=CompileConfig(enable_async_tensor_parallel=True)))
+    # August's async TP field is implemented (issue 41): the trainer's set-up decides (CUDA only,
+    # a dry run accepts it; tests/layer3_runtime/test_async_tp.py), not the table of refusals.
+    check_supported(JobConfig(compile=CompileConfig(enable=True, components=["model"],
+                                                    enable_async_tensor_parallel=True)))
+
+
+@pytest.mark.parametrize("fields", [{}, {"enable": True, "components": ["loss"]}, {"components": ["model"]}])
+def test_async_tp_requires_model_compile_as_upstream(fields: dict[str, object]) -> None:
+    """b5bcd76's ``CompileConfig.__post_init__`` (#4045): its words, then the fields as given."""
+    with pytest.raises(ValueError, match=r"^Async TP requires 'model' in --compile.components and "
+                                         r"--compile.enable \(compile.enable_async_tensor_parallel=True") as err:
+        CompileConfig(enable_async_tensor_parallel=True, **fields)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+    assert CompileConfig(enable=True, components=["model"], enable_async_tensor_parallel=True).enable
 
 
 @pytest.mark.parametrize(("name", "default"), [("june", None), ("august", 1)])

@@ -233,6 +233,9 @@ def test_seq_len_divisor_and_flags() -> None:
     pd = ParallelDims(2, -1, 2, 4, 1, 4, 64, device_type="cpu")
     assert pd.dp_shard == 4
     assert pd.seq_len_divisor == 4 * 2 * 2
+    # upstream's formula (a0c831c49 and b5bcd76 alike), also without CP: tp * (cp * 2)
+    assert ParallelDims(1, 2, 1, 2, 1, 1, 4, device_type="cpu").seq_len_divisor == 2 * (1 * 2)
+    assert ParallelDims(1, 1, 3, 1, 1, 1, 3, device_type="cpu").seq_len_divisor == 1 * (3 * 2)
     assert pd.non_data_parallel_size == 2 * 4 * 1
     assert (pd.dp_enabled, pd.dp_replicate_enabled, pd.dp_shard_enabled) == (True, True, True)
     assert (pd.cp_enabled, pd.tp_enabled, pd.pp_enabled, pd.ep_enabled, pd.fsdp_enabled) == (

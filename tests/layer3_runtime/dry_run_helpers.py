@@ -27,6 +27,7 @@ def _nbytes(t: Any) -> int:
 def _measure(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
     from torchtitan_spmd.train import Trainer
 
+    _record_selective_contexts()  # this forked rank only
     trainer = Trainer(cfg)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     seen: dict[str, int] = {}
@@ -55,9 +56,44 @@ def _measure(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
+#: The forward contexts of torch's selective checkpointing that this rank's blocks created.
+_SAC_CONTEXTS: list[Any] = []
+
+
+def _record_selective_contexts() -> None:
+    """Keep each forward context ``create_selective_checkpoint_contexts`` hands selective AC: its
+    ``storage`` holds what the block keeps (the outputs its policy saves)."""
+    import torchtitan_spmd.techniques.activation_checkpoint as ac
+
+    original = ac.create_selective_checkpoint_contexts
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        forward, recompute = original(*args, **kwargs)
+        _SAC_CONTEXTS.append(forward)
+        return forward, recompute
+
+    ac.create_selective_checkpoint_contexts = recording
+
+
+def _cached_tensors(tree: Any) -> list[Any]:
+    """The tensors inside a selective-checkpoint storage (its ``_VersionWrapper`` values)."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _cached_tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _cached_tensors(v)]
+    val = getattr(tree, "val", None)
+    return _cached_tensors(val) if val is not None else []
+
+
 def _saved_activation_bytes(trainer: Any) -> int:
     """What one microbatch's forward and loss save for backward on this rank, measured with
-    saved-tensor hooks on the real tensors: each storage once, the (gathered) parameters not counted."""
+    saved-tensor hooks on the real tensors: each storage once, the (gathered) parameters not counted.
+    Under selective AC a block keeps, instead, its input (the checkpoint's, to recompute from) and
+    what torch's selective-checkpoint context cached (its ``storage``), read after the forward."""
     import torch
 
     from torchtitan_spmd.distributed.inputs import prepare_inputs
@@ -77,13 +113,28 @@ def _saved_activation_bytes(trainer: Any) -> int:
             seen.setdefault(st.data_ptr(), st.nbytes())
         return t
 
+    def keep(t: Any) -> None:
+        st = _local(t).untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+
+    from torchtitan_spmd.config.activation_checkpoint import ac_section
+
+    selective = ac_section(trainer.job_config.activation_checkpoint).mode == "selective"
+    handles = [block.register_forward_pre_hook(lambda _m, args: keep(args[0]))
+               for block in model.layers.values()] if selective else []
+    _SAC_CONTEXTS.clear()
     with trainer.train_context():
         token_count = global_token_count([y], rep)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(x)
             loss = trainer.loss_fn(logits, y, rep, logits_layout=trainer.plan.output_layout(),
                                    token_count=token_count)
+        for context in _SAC_CONTEXTS:
+            for t in _cached_tensors(dict(context.storage)):
+                keep(t)
         loss.backward()
+    for handle in handles:
+        handle.remove()
     trainer.optimizer.zero_grad(set_to_none=True)
     return sum(seen.values())
 

@@ -182,8 +182,10 @@ def test_seq_len_divisor_is_torchtitans_and_has_one_definition(fake_pg: Callable
     assert seq_len_divisor(par) == 4  # TP without SP does not split the sequence
     par.context_parallel_degree, par.context_parallel_load_balancer = 1, "headtail"
     assert seq_len_divisor(par) == 1  # no CP: no chunks
+    # ParallelDims.seq_len_divisor is upstream's property for a fork's code, upstream's formula
+    # tp * (cp * 2) at every cp (issue 46; cp = 1 included); the library's own check is the function.
     no_cp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2, device_type="cpu")
-    assert no_cp.seq_len_divisor == 2  # sequence parallelism only (not tp * cp * 2 = 4)
+    assert no_cp.seq_len_divisor == 2 * (1 * 2)
 
 
 def test_the_cp_backend_check_has_one_home() -> None:

@@ -191,3 +191,48 @@ def test_local_tensor_refuses_a_backend_it_does_not_simulate() -> None:
         check_local_tensor(cfg, 2, SETUP_PHASES)
     cfg.parallelism.spmd_backend = "default"
     check_local_tensor(cfg, 2, SETUP_PHASES)  # TP 2 under default: simulated
+
+
+def test_without_a_tokenizer_the_flavours_own_vocabulary_is_sized() -> None:
+    """Upstream's llama3_8b recipe with no tokenizer (hf_assets_path unset) on 2 fake ranks: the
+    model is the flavour's 8B with its 128,256-id vocabulary, counted here from Llama 3.1 8B's
+    shapes (dim 4096, 32 blocks, 32 heads and 8 kv heads of 128, SwiGLU 14,336, untied output),
+    not the 6.98 B of the byte tokenizer's 320 ids; the report says which vocabulary it used."""
+    from torchtitan_spmd.models.llama3.config_registry import llama3_8b
+
+    cfg = llama3_8b()
+    cfg.parallelism.data_parallel_shard_degree = 2
+    cfg.training.seq_len, cfg.training.steps = 64, 1
+    cfg.metrics.enable_tensorboard = False
+    cfg.comm.mode = "fake_backend"
+    cfg.validate()
+    assert cfg.hf_assets_path is None
+    report = dry_run(cfg, 2)
+    dim, kv, ffn, vocab, blocks = 4096, 8 * 128, 14336, 128256, 32
+    block = 2 * dim * dim + 2 * kv * dim + 3 * ffn * dim + 2 * dim
+    assert report.total_params == 2 * vocab * dim + dim + blocks * block == 8_030_261_248
+    assert report.vocabulary.startswith("128,256 ids, the flavour's own"), report.vocabulary
+    assert "vocabulary: 128,256 ids, the flavour's own" in report.text()
+
+
+@pytest.mark.backend("default")
+@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2_tp2"])
+def test_selective_ac_is_estimated_within_15_percent(layout: str) -> None:
+    """Selective AC (upstream's per-op policy) on llama3 tiny: the dry run's estimate, counted on
+    meta with the real run's policy, within 15 % of what the real run's microbatch kept (its blocks'
+    inputs, torch's selective-checkpoint caches, the saved tensors outside the blocks), and well
+    under the estimate without AC (which it was, counted as none, before)."""
+    cfg = _config(layout)
+    cfg.activation_checkpoint.mode = "selective"
+    selective = dry_run(cfg, 4).roles[0]
+    cfg.activation_checkpoint.mode = "none"
+    none = dry_run(cfg, 4).roles[0]
+    cfg.activation_checkpoint.mode = "selective"
+    cfg.comm.mode = "default"
+    real = measure(cfg, 4)
+    for rank in real:
+        assert abs(selective.activation_bytes / rank["saved_bytes"] - 1) <= 0.15, (layout, rank, selective)
+    assert selective.activation_bytes < 0.8 * none.activation_bytes, (selective, none)
+    assert "per-op policy" in selective.activation_method
+    print(f"\nselective AC {layout}: estimate {selective.activation_bytes} bytes, measured "
+          f"{[r['saved_bytes'] for r in real]}, no AC {none.activation_bytes}")

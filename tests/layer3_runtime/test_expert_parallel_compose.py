@@ -79,6 +79,9 @@ def ep_cases(backend: str) -> list[Case]:
     return cases
 
 
+@pytest.mark.slow(reason="four or five EP compositions (EP x TP/SP, accumulation + full AC, EP 4, compile or CP) "
+                         "trained 6 steps each in one set of forks, each against the reference: one launch, "
+                         "not one per case")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ep_composed_matches_the_reference(backend: str) -> None:
     skip_full_dtensor_on_old_torch(backend, "fsdp4")

@@ -50,6 +50,8 @@ def tp_runs(backend: str) -> tuple[list, dict]:
     return cases, run_cases(cases, 4)
 
 
+@pytest.mark.slow(reason="its set-up trains the MoE x TP (and CP, bf16) cases 6 steps each in one set of forks, "
+                         "read by this test and the counts test after it")
 def test_moe_with_tp_and_cp_matches_the_reference(backend: str, tp_runs: tuple[list, dict]) -> None:
     check_against_the_reference(backend, *tp_runs)
 

@@ -122,7 +122,7 @@ def test_lr_scheduler_and_optimizer_defaults_are_upstreams() -> None:
     (OptimizerConfig, {"param_groups": [{"pattern": ".*", "optimizer_name": "Lion",
                                          "optimizer_kwargs": {"lr": 1e-3}}]}, "optimizer.param_groups[0].optimizer_name"),
     (OptimizerConfig, {"param_groups": [{"pattern": ".*", "optimizer_name": "Adam"}]},
-     "optimizer.param_groups[0].optimizer_kwargs['lr']"),
+     "optimizer.param_groups[0].optimizer_kwargs has no 'lr'"),
     (OptimizerConfig, {"param_groups": [{"pattern": ".*", "optimizer_name": "Adam", "lr": 1}]},
      "optimizer.param_groups[0]: unknown key 'lr'"),
 ])
@@ -368,15 +368,15 @@ def _validation(rank: int, world: int, cfg: JobConfig, masked: bool) -> dict[str
         lambda m, a: seen.append((m.training, torch.is_grad_enabled())))
     assert trainer.validator is not None
     if masked:  # batches with different numbers of ignored labels: only a token-weighted mean is right
-        plain = trainer.validator.dataloader
+        plain = trainer.validator.build_dataloader
 
         def masked_batches() -> Any:
-            for i, (x, y) in enumerate(plain):
+            for i, (x, y) in enumerate(plain()):
                 y = y.clone()
                 y[:, : (1 + 13 * (i % 2))] = IGNORE_INDEX  # 1 then 14 of 16 labels ignored per row
                 yield x, y
 
-        trainer.validator.dataloader = masked_batches()
+        trainer.validator.build_dataloader = masked_batches
     try:
         record = trainer.validator.validate(0)
         after = trainer.model.training

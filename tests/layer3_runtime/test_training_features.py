@@ -53,6 +53,8 @@ def test_activation_checkpointing_changes_no_loss(backend: str, mode: str) -> No
     check_activation_checkpointing(backend, mode)
 
 
+@pytest.mark.slow(reason="inductor compiles the blocks and the loss on every rank (minutes of CPU codegen); "
+                         "the eager run it is compared with shares the launch")
 @pytest.mark.parametrize("backend", sorted(COMPILE))
 def test_compile_matches_eager(backend: str) -> None:
     check_compile(backend, *COMPILE[backend])

@@ -66,6 +66,7 @@ def _train_and_inspect(rank: int, world: int, cfg: Any) -> tuple[list[tuple[floa
         "one_parameter": weight is model.tok_embeddings.weight,
         "names": sorted(n for n, _ in model.named_parameters() if "tok_embeddings" in n or "output" in n),
         "local_numel": _local(weight).numel(),
+        "embedding_local_numel": _local(model.tok_embeddings.weight).numel(),
         "global_shape": tuple(weight.shape),
         "layouts": {k: repr(v.layout) for k, v in trainer.state_layouts.items()
                     if k in ("output.weight", "tok_embeddings.weight")},
@@ -78,12 +79,14 @@ def _train_and_inspect(rank: int, world: int, cfg: Any) -> tuple[list[tuple[floa
     return records, seen
 
 
-def run_tied(backend: str, model: str = "llama3", **debug: Any) -> tuple[Any, dict[str, Any]]:
-    """Train the tied tiny ``model`` at FSDP 2 x TP 2 under ``backend``: (per-step records with the
-    step-1 gradient-norm trace, rank 0's layout report)."""
+def run_tied(backend: str, model: str = "llama3", *, tied: bool = True, **debug: Any) -> tuple[Any, dict[str, Any]]:
+    """Train the tied tiny ``model`` (``tied=False``: the untied ``tiny``) at FSDP 2 x TP 2 under
+    ``backend``: (per-step records with the step-1 gradient-norm trace, rank 0's layout report)."""
     warm_parent()
     with tied_flavour(model):
         cfg = tied_job(backend, model, **debug)
+        if not tied:
+            cfg.model.flavor = "tiny"
         results = run_forked(grad_probe.probed(_train_and_inspect), WORLD, cfg, timeout_s=300)
     per_rank = [r for (r, _), _ in results]
     for rank, records in enumerate(per_rank):
@@ -138,3 +141,28 @@ def _vocab_rows() -> Any:
     from torchtitan_spmd.distributed.layout import S, SpmdLayout
 
     return SpmdLayout({"tp": S(0)})
+
+
+def check_untied(backend: str, model: str = "llama3", **debug: Any) -> dict[str, float]:
+    """The untied tiny ``model`` at FSDP 2 x TP 2 with loss parallel under ``backend``: the embedding
+    and the output two parameters, each laid out vocab-sharded on ``tp`` (each rank stores a quarter
+    of each table; the logits vocab-sharded), every step's loss and every parameter's step-1
+    gradient norm equal to the float64 reference's (``parity_helpers.reference_with_trace``)."""
+    from parity_helpers import reference_with_trace
+
+    run, seen = run_tied(backend, model, tied=False, **debug)
+    ref, ref_trace = reference_with_trace(LOCAL_BATCH * DP, STEPS, model)
+    from torchtitan_spmd.models import get_model_spec
+
+    vocab, dim = get_model_spec(model).flavors["tiny"].vocab_size, get_model_spec(model).flavors["tiny"].dim
+    assert not seen["one_parameter"] and seen["names"] == ["output.weight", "tok_embeddings.weight"], seen
+    # FSDP shards each table over dp, TP over the vocabulary: 1/(dp*tp) of each on every rank
+    assert seen["local_numel"] == seen["embedding_local_numel"] == vocab * dim // (DP * TP), seen
+    assert seen["logits_local_shape"] is not None and seen["logits_local_shape"][-1] == vocab // TP, seen
+    assert seen["layouts"] == dict.fromkeys(("output.weight", "tok_embeddings.weight"), repr(_vocab_rows())), \
+        seen["layouts"]
+    grad_rel = grad_probe.compare_grad_norms(run.trace.grad_norms, ref_trace.grad_norms,
+                                             what=f"untied {model} {backend}")
+    loss_rel = max_rel([r[0] for r in run], [r[0] for r in ref])
+    assert loss_rel < TOL, ([r[0] for r in run], [r[0] for r in ref])
+    return {"loss_rel": loss_rel, "grad_rel": grad_rel}

@@ -73,8 +73,8 @@ def validate_on_rank(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:
     seen: list[tuple[bool, bool]] = []  # (training, grad enabled) at every stage's forward
     hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.training, torch.is_grad_enabled())))
              for m in trainer.model_parts]
-    plain = trainer.validator.dataloader
-    trainer.validator.dataloader = ((x, mask(y, i)) for i, (x, y) in enumerate(plain))
+    plain = trainer.validator.build_dataloader
+    trainer.validator.build_dataloader = lambda: ((x, mask(y, i)) for i, (x, y) in enumerate(plain()))
     try:
         record = trainer.validator.validate(0)
         for h in hooks:

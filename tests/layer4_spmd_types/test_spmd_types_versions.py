@@ -2,7 +2,7 @@
 
 On 0.2.x type checking is a setup error naming the installed version; on 0.3.x it is not.
 The version is patched here; ``TORCHTITAN_SPMD_SPMD_TYPES=spmd-types==0.2.3 nox -s
-cpu_tests-spmd_types`` runs the whole layer on the real 0.2.3.
+cpu_tests -- --backend=spmd_types`` runs the whole layer on the real 0.2.3.
 """
 
 from __future__ import annotations

@@ -23,10 +23,13 @@ def test_every_prefix_green_with_counts_and_table(synthetic_repo: Repo) -> None:
     r = synthetic_repo.run("check")
     assert r.code == 0, r.text
     assert "prefix 1..1 (base): ok, 2 passed / 2 collected" in r.out
-    assert "prefix 1..3 (top): ok, 4 passed / 4 collected" in r.out
+    # Each later prefix runs its own layer's tests: no lower-layer test reached for a blocked
+    # module, so none is carried (they would run exactly as in their own prefix).
+    assert "prefix 1..3 (top): ok, 1 passed / 1 collected" in r.out
+    assert "carried" not in r.out
     assert _row(r.out, 1)[1:6] == ["base", "10", "44", "2/2", "ok"]
-    assert _row(r.out, 2)[4:6] == ["3/3", "ok"]
-    assert _row(r.out, 3)[4:6] == ["4/4", "ok"]
+    assert _row(r.out, 2)[4:6] == ["1/1", "ok"]
+    assert _row(r.out, 3)[4:6] == ["1/1", "ok"]
     assert "stack check: ok" in r.out
 
 
@@ -51,8 +54,11 @@ def test_prefix_that_needs_a_later_layer_is_caught(synthetic_repo: Repo) -> None
             "above the prefix") in r.out
     assert "last lines of the pytest output (prefix 1..1)" in r.out
     assert _row(r.out, 1)[4:6] == ["1/2", "FAIL"]
-    assert _row(r.out, 2)[4:6] == ["2/3", "FAIL"]  # pkg.top is still above prefix 1..2
-    assert _row(r.out, 3)[4:6] == ["4/4", "ok"]
+    # test_core reached for pkg.top: carried into prefix 1..2, where pkg.top is still above it
+    assert "prefix 1..2 (mid): FAILED (pytest exit 1; 1 passed / 2 collected (1 carried from " \
+           "lower layers))" in r.out
+    assert _row(r.out, 2)[4:6] == ["1/2", "FAIL"]
+    assert _row(r.out, 3)[4:6] == ["2/2", "ok"]  # and into 1..3, where it passes
     assert "stack check: FAILED" in r.out
 
     r = synthetic_repo.run("check", "--layers", "1", "-x")
@@ -92,7 +98,8 @@ def test_upper_helper_module_blocked_by_file_and_upper_tests_not_collected(
     r = synthetic_repo.run("check")
     assert r.code == 0, r.text  # test_upper.py is not collected for prefix 1..1
     assert _row(r.out, 1)[4] == "2/2"
-    assert _row(r.out, 2)[4] == "4/4"
+    # ... but for 1..2: layer 2 owns it, and layer 1's test folder collects it from then on
+    assert _row(r.out, 2)[4] == "2/2"
 
     # A layer-1 test reaching the helper dynamically is blocked by file.
     synthetic_repo.write("tests/l1/midpkg/__init__.py", "Z = 1\n")
@@ -116,6 +123,41 @@ def test_upper_helper_module_blocked_by_file_and_upper_tests_not_collected(
         in r.out
     assert "blocked by stack check: midpkg (tests/l1/midpkg/__init__.py) belongs to layer 2" \
         in r.out
+
+
+def test_a_lower_test_that_reached_for_an_upper_layer_runs_again_later(synthetic_repo: Repo) -> None:
+    """A layer-1 test that skips without layer 2 and needs layer 3 once layer 2 is there: only a
+    later prefix can see it fail, and it does, because its first run reached for a blocked module
+    (in the test body, and at a test file's collection)."""
+    synthetic_repo.write("tests/l1/test_core.py", """\
+        import importlib
+
+        import pytest
+
+
+        def test_core():
+            pytest.importorskip("pkg.mid")
+            assert importlib.import_module("pkg." + "top").TRIPLE == 3
+        """)
+    synthetic_repo.write("tests/l1/test_alias.py", """\
+        import importlib
+
+        import pytest
+
+        pytest.importorskip("pkg.mid")
+
+
+        def test_alias():
+            assert importlib.import_module("pkg." + "top").TRIPLE == 3
+        """)
+    synthetic_repo.commit()
+    r = synthetic_repo.run("check")
+    assert r.code == 1, r.text
+    assert _row(r.out, 1)[4:6] == ["0/1", "ok"]  # one skipped in its body, one file at collection
+    assert ("prefix 1..2 (mid): FAILED (pytest exit 1; 1 passed / 3 collected (2 carried from "
+            "lower layers))") in r.out
+    assert "blocked by stack check: pkg.top belongs to layer 3 (top) above the prefix" in r.out
+    assert _row(r.out, 3)[4:6] == ["3/3", "ok"]
 
 
 def test_layer_declaring_tests_that_collect_nothing_fails(synthetic_repo: Repo) -> None:

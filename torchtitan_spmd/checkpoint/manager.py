@@ -92,6 +92,7 @@ from torchtitan_spmd._safe_files import UnsafeFile, read_json_inside
 from torchtitan_spmd.config.support import check_supported
 from torchtitan_spmd.distributed.apply_plan import plain_fqn
 from torchtitan_spmd.distributed.representation import StateLayout, TensorRepresentation
+from torchtitan_spmd.techniques import lora
 from torchtitan_spmd.tools.lr_scheduler import lr_state_problem
 from torchtitan_spmd.tools.optimizer import check_same_grouping, optimizers_of
 
@@ -532,6 +533,8 @@ class CheckpointManager:
         self._stop_if_failed(step, partial, error)  # also the barrier before DCP's collectives
         self.train_state.step = step
         states = self._states(model_only)
+        if model_only and step != 0 and self.config.last_save_in_hf:  # LoRA: the adapters merged into the weights
+            states = lora.merged_state_dict(states, lora.lora_scalings(self.model))
         if model_only:
             dtype = getattr(torch, self.config.export_dtype)
             states = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v

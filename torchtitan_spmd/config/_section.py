@@ -20,7 +20,40 @@ from torchtitan_spmd._errors import suggest
 # spellings; deleting compat/ and those lines removes legacy support.
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
-__all__ = ["Section", "check_value", "invalid_choice"]
+__all__ = ["Section", "check_value", "invalid_choice", "reject_unknown_attribute"]
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass fields of ``cls`` (its ``ClassVar`` entries left out)."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+
+
+def _settable(cls: type, name: str) -> bool:
+    """Whether ``name`` may be assigned on an instance of the dataclass ``cls``: one of its
+    fields, or a class attribute with a setter (a property, such as a legacy spelling compat/ keeps)."""
+    if name in _field_names(cls):
+        return True
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return hasattr(vars(klass)[name], "__set__")
+    return False
+
+
+def reject_unknown_attribute(obj: Any, name: str, where: str) -> None:
+    """Raise ``AttributeError`` unless ``name`` may be assigned on the config ``obj``.
+
+    Upstream's sections are ``slots=True`` dataclasses, so a typo such as
+    ``job.training.step = 3`` raises there; this keeps that (the message names the section
+    ``where``, the attribute and the closest field). Private names (``_x``) are the library's
+    own bookkeeping and pass.
+    """
+    if name.startswith("_") or _settable(type(obj), name):
+        return
+    known = _field_names(type(obj))
+    raise AttributeError(
+        f"{type(obj).__name__} ({where}) has no field {name!r}.{suggest(name, known)} "
+        f"Its fields are {', '.join(known)}."
+    )
 
 
 def invalid_choice(where: str, value: Any, choices: typing.Sequence[Any]) -> ValueError:
@@ -114,6 +147,10 @@ class Section:
     #: (``parallelism.spmd_backend``: the backend registry, which may hold more names
     #: than its ``Literal``).
     _field_checks: typing.ClassVar[dict[str, typing.Callable[[Any, str], Any]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, f"[{self.section_name}]" if self.section_name else "a config section")
+        super().__setattr__(name, value)
 
     def _validate_types(self) -> None:
         hints = typing.get_type_hints(type(self))

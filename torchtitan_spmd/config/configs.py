@@ -25,8 +25,9 @@ from typing import Any, Literal, get_args
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
 from . import backends as _backends
+from . import converters as _converters
 from . import surface as _surface
-from ._section import Section, invalid_choice
+from ._section import Section, invalid_choice, reject_unknown_attribute
 
 __all__ = [
     "DATASETS",
@@ -113,6 +114,22 @@ class ModelConfig(Section):
     since a0c831c49; ``model.hf_assets_path`` before). Set, it is moved there with a
     ``DeprecationWarning``."""
 
+    converters: list[Any] = field(default_factory=list)
+    """Model converters (upstream's ``model_registry(flavor, converters=[...])``): float8 training,
+    LoRA, ... as their configs (:mod:`torchtitan_spmd.config.converters`), applied in order;
+    quantization before LoRA. A recipe usually sets them with ``job.model_spec = model_registry(...)``."""
+
+    _field_checks: typing.ClassVar[dict[str, typing.Callable[[Any, str], Any]]] = {
+        "converters": lambda value, where: _converters.check_converters(value, where),
+    }
+
+    def to_dict(self) -> dict[str, Any]:
+        """As :meth:`Section.to_dict`, each converter a table naming its converter (read back by
+        ``from_dict``)."""
+        out = super().to_dict()
+        out["converters"] = [_converters.converter_to_dict(c) for c in self.converters]
+        return out
+
 
 @dataclass(kw_only=True)
 class ParamGroupConfig:
@@ -120,7 +137,9 @@ class ParamGroupConfig:
     the trainable parameters whose name matches ``pattern`` (``re.search``; the first pattern
     that matches a parameter claims it) get their own optimizer ``optimizer_name`` built with
     ``optimizer_kwargs``, which must give ``lr`` (the group's peak learning rate: the schedule
-    scales it). Nothing is inherited from the ``[optimizer]`` fields."""
+    scales it; 0 freezes the group). Nothing is inherited from the ``[optimizer]`` fields. The
+    kwargs go to torch's optimizer as upstream passes them: torch's constructor judges each
+    group's values when the optimizer is built (one line naming the group)."""
 
     pattern: str
     """A regular expression searched in each parameter's name, e.g. ``r"\\.router\\.gate\\."``."""
@@ -131,6 +150,10 @@ class ParamGroupConfig:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     """The optimizer's keyword arguments for this group (``lr``, ``betas``, ``eps``,
     ``weight_decay``, ...); ``lr`` is required."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, "optimizer.param_groups[...]")
+        super().__setattr__(name, value)
 
     def check(self, where: str) -> None:
         """Raise ``ValueError``/``TypeError`` naming ``where`` (``optimizer.param_groups[i]``)."""
@@ -145,10 +168,9 @@ class ParamGroupConfig:
         if not isinstance(self.optimizer_kwargs, dict):
             raise TypeError(f"{where}.optimizer_kwargs: expected dict, got "
                             f"{type(self.optimizer_kwargs).__name__} {self.optimizer_kwargs!r}.")
-        lr = self.optimizer_kwargs.get("lr")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr != lr or lr == float("inf"):
-            raise ValueError(f"{where}.optimizer_kwargs['lr'] must be a finite number > 0 (each group "
-                             f"states its own peak learning rate), got {lr!r}.")
+        if "lr" not in self.optimizer_kwargs:  # upstream: "Must include all required kwargs (e.g. lr)"
+            raise ValueError(f"{where}.optimizer_kwargs has no 'lr': each group states its own peak learning "
+                             "rate (0 freezes the group).")
 
 
 #: ``optimizer.name`` and ``ParamGroupConfig.optimizer_name``: upstream's built-in optimizers.
@@ -178,7 +200,8 @@ class OptimizerConfig(Section):
     """How the optimizer updates the parameters (upstream's ``optimizer.implementation``):
     ``"fused"`` (one fused kernel per step; CPU and CUDA), ``"foreach"`` (multi-tensor
     kernels) or ``"for-loop"`` (one parameter at a time). ``"fused_opt_states_bf16"``
-    (bf16 moment buffers) is upstream's too."""
+    (bf16 moment buffers) is upstream's too.
+    Not implemented by torchtitan_spmd yet: ``"fused_opt_states_bf16"`` (a setup error)."""
 
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
     """Upstream's per-group optimizers (:class:`ParamGroupConfig`), in order: the first
@@ -361,12 +384,15 @@ class ValidatorConfig(Section):
 
     steps: int = -1
     """Validation batches per validation (each a global batch of ``training.local_batch_size``
-    per data-parallel rank). -1 (upstream's default: the whole validation set) needs a finite
-    dataset; this library's datasets are endless streams, so -1 is a setup error when enabled."""
+    per data-parallel rank), read from the start of the validation data at every validation
+    (upstream builds its validation loader afresh in each ``validate()``), so every validation
+    sees the same batches. -1 (upstream's default): one pass over a file dataset (upstream's
+    ``infinite=False``), every whole global batch of it; the synthetic data is an endless
+    stream, so -1 with it is a setup error when enabled."""
 
     dataloader: DataloaderConfig = field(default_factory=DataloaderConfig)
     """The validation data (upstream's default is ``c4_validation``, a download; here
-    ``"synthetic"``: a stream of the seed + 1, held out from training's)."""
+    ``"synthetic"``: a stream of the seed + 1, held out from training's; or a file dataset)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dataloader, dict):
@@ -374,11 +400,13 @@ class ValidatorConfig(Section):
         super().__post_init__()
         self._require(self.freq >= 1, "freq", "must be >= 1")
         self._require(self.steps >= 1 or self.steps == -1, "steps", "must be >= 1, or -1 (the whole set)")
-        if self.enable and self.steps == -1:
-            raise ValueError("validator.steps=-1 (the whole validation set) needs a finite dataset, and "
-                             "this library's data loaders are endless streams: set validator.steps to "
-                             "the number of validation batches.")
         self.dataloader.check()
+        if self.enable and self.steps == -1 and self.dataloader.dataset == "synthetic":
+            raise ValueError("validator.steps=-1 (one pass over the validation set) needs a finite dataset, and "
+                             "validator.dataloader.dataset='synthetic' is an endless stream generated from the "
+                             "seed: set validator.steps to the number of validation batches, or "
+                             "validator.dataloader.dataset to a file dataset ('json', 'text', 'parquet', "
+                             "'c4_test').")
 
 
 @dataclass(kw_only=True)
@@ -452,31 +480,34 @@ class TrainingConfig(Section):
     section_name: typing.ClassVar[str] = "training"
 
     local_batch_size: int | None = None  # resolved to an int (default 8)
-    """Sequences per data-parallel rank per forward (per gradient-accumulation step); default 8.
+    """Sequences per data-parallel rank per forward (per gradient-accumulation step); unset
+    (None), 8, or ``num_tokens_per_microbatch_per_dp_rank / seq_len`` when that is set.
     Upstream June's field; August counts ``num_tokens_per_microbatch_per_dp_rank`` instead
     (``= local_batch_size * seq_len``), and either may be set."""
 
     global_batch_size: int | None = None  # resolved to an int (default -1)
-    """Sequences per step over all ranks; -1 (the default) means ``local_batch_size`` times
-    the data-parallel degree. A larger value means gradient accumulation. August's
+    """Sequences per step over all ranks; unset (None) it is -1, or from ``num_tokens_per_train_step``;
+    -1 means ``local_batch_size`` times the data-parallel degree. A larger value means gradient accumulation. August's
     ``num_tokens_per_train_step`` is ``global_batch_size * seq_len``."""
 
     seq_len: int | None = None  # resolved to an int (default 2048)
-    """Tokens per sequence; default 2048. August's name is ``max_context_length``."""
+    """Tokens per sequence; unset (None), 2048 or ``max_context_length``. August's name is
+    ``max_context_length``."""
 
     num_tokens_per_microbatch_per_dp_rank: int | None = None
     """Upstream b5bcd76's (#4121) token budget of one forward on one data-parallel rank
-    (default 16384 = 8 * 2048): ``local_batch_size * seq_len``, the same setting counted in
+    (unset (None): computed, 16384 = 8 * 2048 by default): ``local_batch_size * seq_len``, the same setting counted in
     tokens; it must be a multiple of ``max_context_length`` (this library packs whole
     sequences). Pipeline parallelism: see ``docs/drop-in-august.md``."""
 
     num_tokens_per_train_step: int | None = None
-    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks;
-    -1 (the default) for ``num_tokens_per_microbatch_per_dp_rank`` times the data-parallel
-    degree: ``global_batch_size * seq_len``."""
+    """Upstream b5bcd76's token budget of one optimizer step over all data-parallel ranks:
+    ``global_batch_size * seq_len``. Unset (None, the default), it is computed from
+    ``global_batch_size`` (-1 there gives -1 here); -1 means ``num_tokens_per_microbatch_per_dp_rank``
+    times the data-parallel degree (upstream's default)."""
 
     max_context_length: int | None = None
-    """Upstream b5bcd76's name of ``seq_len`` (default 2048)."""
+    """Upstream b5bcd76's name of ``seq_len``; unset (None), ``seq_len``'s value (2048 by default)."""
 
     max_norm: float | int = 1.0
     """Gradient-norm clipping threshold over the global norm (0 disables clipping)."""
@@ -485,11 +516,14 @@ class TrainingConfig(Section):
     """Number of optimizer steps."""
 
     enable_cpu_offload: bool = False
-    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload)."""
+    """Keep parameters, gradients and optimizer state on the CPU between uses (FSDP offload).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     dtype: Literal["bfloat16", "float32"] = "float32"
-    """Dtype of parameters, gradients and optimizer state. ``"bfloat16"`` trains entirely
-    in bf16 with no fp32 master copy (RoPE and logits stay fp32)."""
+    """Dtype of parameters, gradients and optimizer state: ``"float32"`` only here.
+    Upstream's ``"bfloat16"`` (full bf16 training, no fp32 master copy) is
+    not implemented by torchtitan_spmd yet: the trainer stops at setup naming this field. For
+    bf16 compute use ``mixed_precision_param``."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of parameters under mixed precision (FSDP's ``param_dtype`` when
@@ -500,7 +534,8 @@ class TrainingConfig(Section):
 
     disable_cuda_graphs: bool = False
     """Upstream b5bcd76's switch off CUDA-graph capture of the step. This library captures no
-    CUDA graphs, so ``False`` is the only value it implements (``check_supported``)."""
+    CUDA graphs, so ``False`` is the only value it implements (``check_supported``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     gc_freq: int = 50
     """Run Python's garbage collector every ``gc_freq`` steps."""
@@ -694,11 +729,13 @@ class ParallelismConfig(
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """When FSDP frees gathered parameters after forward: ``"default"`` (FSDP's own
-    choice), ``"always"`` or ``"never"``."""
+    choice), ``"always"`` or ``"never"``.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_fsdp_symm_mem: bool = False
     """Use symmetric-memory communication for FSDP collectives (NVIDIA compute
-    capability 9.0 or newer, or ROCm)."""
+    capability 9.0 or newer, or ROCm).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding). 1 disables it."""
@@ -707,7 +744,8 @@ class ParallelismConfig(
     """Gather the vocab-sharded logits before the loss instead of a vocab-parallel loss."""
 
     enable_async_tensor_parallel: bool = False
-    """Overlap tensor-parallel communication with compute (needs ``compile.enable``)."""
+    """Overlap tensor-parallel communication with compute (needs ``compile.enable``).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     enable_sequence_parallel: bool = True
     """Shard norms and residual activations along the sequence dim when TP is on."""
@@ -771,7 +809,8 @@ class ParallelismConfig(
 
     context_parallel_ptrr_mask_key: str | None = None
     """Upstream b5bcd76's key of the mask the ``"ptrr"`` load balancer is built from; only
-    meaningful with ``"ptrr"``, which this library does not run (None only)."""
+    meaningful with ``"ptrr"``, which this library does not run (None only).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE layers. Not a factor of the world size: it reuses
@@ -856,7 +895,8 @@ class CheckpointConfig(Section):
     """``initial_load_path`` is a Hugging Face safetensors checkpoint (model only)."""
 
     initial_load_in_hf_quantized: bool = False
-    """The Hugging Face checkpoint has quantized keys to dequantize on load."""
+    """The Hugging Face checkpoint has quantized keys to dequantize on load.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     last_save_model_only: bool = True
     """The final save holds only the model (loadable with ``weights_only=True``)."""
@@ -869,7 +909,8 @@ class CheckpointConfig(Section):
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Blocking saves (``"disabled"``), ``async_save`` on a thread (``"async"``), or a
-    separate process with pinned shared memory (``"async_with_pinned_mem"``)."""
+    separate process with pinned shared memory (``"async_with_pinned_mem"``).
+    Not implemented by torchtitan_spmd yet: ``"async_with_pinned_mem"`` (a setup error)."""
 
     keep_latest_k: int = 10
     """Keep only the newest ``k`` checkpoints (0 keeps all; 1 is not allowed)."""
@@ -924,7 +965,8 @@ class ActivationCheckpointConfig(Section):
 
     mode: Literal["selective", "full", "memory_budget", "none"] = "selective"
     """Which activations to recompute: ``"selective"``, ``"full"``, ``"memory_budget"``
-    (compiler-chosen) or ``"none"``."""
+    (compiler-chosen) or ``"none"``.
+    Not implemented by torchtitan_spmd yet: ``"memory_budget"`` (a setup error)."""
 
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(
         default_factory=lambda: ["moe.router.gate"]
@@ -937,10 +979,12 @@ class ActivationCheckpointConfig(Section):
 
     memory_budget: float = 0.5
     """For ``mode="memory_budget"``: 0.0 is the memory of full checkpointing, 1.0 that
-    of no checkpointing."""
+    of no checkpointing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     visualize_memory_budget_pareto: bool = False
-    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder."""
+    """Write an SVG of the runtime/memory trade-off over budgets to the dump folder.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     preserve_rng_state: bool = True
     """Stash and restore the RNG state around each checkpoint, for results identical
@@ -974,7 +1018,16 @@ class CompileConfig(Section):
 
     enable_async_tensor_parallel: bool = False
     """Upstream b5bcd76's place (#4045) of ``parallelism.enable_async_tensor_parallel``: one
-    setting (setting the two differently is a setup error naming both); not implemented here."""
+    setting (setting the two differently is a setup error naming both).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # upstream b5bcd76's check (#4045), in its words, then the fields as set here
+        if self.enable_async_tensor_parallel and not (self.enable and "model" in self.components):
+            raise ValueError("Async TP requires 'model' in --compile.components and --compile.enable "
+                             f"(compile.enable_async_tensor_parallel=True with compile.enable={self.enable}, "
+                             f"compile.components={self.components!r}).")
 
 
 #: About 31 years: far past any job, well inside what ``datetime.timedelta`` holds (larger
@@ -1010,7 +1063,7 @@ class CommConfig(Section):
     """``"default"`` (real communication), ``"fake_backend"`` (dry run), ``"local_tensor"``
     (one process simulating every rank) or ``"torchcomms"``. The two simulated modes take the
     world size from the environment variable ``NGPU``, as upstream's ``run_train.sh``; see
-    ``docs/dry-run.md``."""
+    ``docs/dry-run.md``. Not implemented by torchtitan_spmd yet: ``"torchcomms"`` (a setup error)."""
 
     fake_device_memory_gib: float = 80.0
     """This library's: the device memory (GiB) that ``mode="fake_backend"``'s report sets each
@@ -1047,16 +1100,19 @@ class DebugConfig(Section):
     """Use deterministic algorithms where they exist (slower)."""
 
     deterministic_warn_only: bool = False
-    """With ``deterministic``, warn about ops with no deterministic version instead of failing."""
+    """With ``deterministic``, warn about ops with no deterministic version instead of failing.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     moe_force_load_balance: bool = False
     """Route tokens round-robin so every expert gets the same load (MoE debugging)."""
 
     detect_anomaly: bool = False
-    """Run autograd anomaly detection to locate NaN/Inf gradients (slow)."""
+    """Run autograd anomaly detection to locate NaN/Inf gradients (slow).
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     batch_invariant: bool = False
-    """Use batch-invariant kernels and a fixed collective reduction order."""
+    """Use batch-invariant kernels and a fixed collective reduction order.
+    Not implemented by torchtitan_spmd yet: any value but the default is a setup error."""
 
     print_config: bool = False
     """Print the resolved config at start-up."""

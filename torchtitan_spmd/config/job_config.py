@@ -7,16 +7,15 @@ A fork may use its own root dataclass instead (embedding these sections);
 from __future__ import annotations
 
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_spmd._errors import stacklevel_outside_library, suggest
+from torchtitan_spmd._errors import suggest, warn_at_user_line
 
 # Lines marked "compat hook" call into compat/ for the legacy spellings.
 from torchtitan_spmd.compat import legacy as _legacy  # compat hook
 
-from ._section import check_value
+from ._section import check_value, reject_unknown_attribute
 from .activation_checkpoint import (
     ActivationCheckpointing,
     SelectiveAC,
@@ -149,6 +148,10 @@ class JobConfig:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     """``[profiler]``: ``torch.profiler`` traces and memory snapshots."""
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        reject_unknown_attribute(self, name, "the root config")
+        super().__setattr__(name, value)
+
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
             if name == "activation_checkpoint":
@@ -176,19 +179,17 @@ class JobConfig:
         if self.debug.spmd_typechecking:
             if not backend(self.parallelism.spmd_backend).typechecking:
                 checked = [name for name in backend_names() if backend(name).typechecking]
-                warnings.warn(
+                warn_at_user_line(
                     "debug.spmd_typechecking=True has no effect with "
                     f"parallelism.spmd_backend={self.parallelism.spmd_backend!r}; "
                     f"only {' and '.join(map(repr, checked))} type-checks.",
                     SpmdTypecheckingWarning,
-                    stacklevel=stacklevel_outside_library(),
                 )
         elif self.debug.spmd_typechecking_steps is not None:
-            warnings.warn(
+            warn_at_user_line(
                 f"debug.spmd_typechecking_steps={self.debug.spmd_typechecking_steps} has no effect "
                 "without debug.spmd_typechecking=True.",
                 SpmdTypecheckingWarning,
-                stacklevel=stacklevel_outside_library(),
             )
 
     def _check_activation_checkpoint(self) -> None:
@@ -197,6 +198,26 @@ class JobConfig:
                 "JobConfig.activation_checkpoint must be an ActivationCheckpointConfig (June's section), "
                 "SelectiveAC.Config, FullAC.Config, MemoryBudgetAC.Config or None (upstream b5bcd76's "
                 f"policies), got {type(self.activation_checkpoint).__name__}.")
+
+    @property
+    def model_spec(self) -> Any:
+        """Upstream's ``Trainer.Config.model_spec``: the last ``ModelSpec`` assigned (None before).
+
+        ``job.model_spec = model_registry("debugmodel", converters=[...])`` (a family's
+        ``model_registry``, as upstream's recipes write it) sets ``model.name``, ``model.flavor``
+        and ``model.converters`` from the spec; those fields are what the trainer reads."""
+        return self.__dict__.get("_model_spec")
+
+    @model_spec.setter
+    def model_spec(self, spec: Any) -> None:
+        name, flavor = getattr(spec, "name", None), getattr(spec, "flavor", None)
+        if not isinstance(name, str) or not isinstance(flavor, str):
+            raise TypeError("JobConfig.model_spec: expected a ModelSpec from a family's model_registry(flavor, "
+                            f"converters=[...]) (with a name and a flavor), got {spec!r}.")
+        self.model.name, self.model.flavor = name, flavor
+        self.model.converters = list(getattr(spec, "converters", ()))
+        self.model.check()
+        self.__dict__["_model_spec"] = spec
 
     @classmethod
     def root_fields(cls) -> tuple[str, ...]:

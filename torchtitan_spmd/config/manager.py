@@ -33,8 +33,11 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
+import os
 import pkgutil
+import re
 import sys
+import textwrap
 import tomllib
 import typing
 import warnings
@@ -70,6 +73,43 @@ FORK_FIRST: tuple[str, ...] = ("torchtitan.models", "torchtitan.experiments", MO
 LIBRARY_FIRST: tuple[str, ...] = (MODELS_PACKAGE, "torchtitan.models", "torchtitan.experiments")
 
 _EXAMPLE = "Example: --module llama3 --config llama3_debugmodel"
+
+_ROLE = re.compile(r":[a-z]+:`~?\.?([^`]+)`")
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as one plain paragraph: its hard line breaks joined, RST roles and literals
+    (:class:`X`, ``x``) reduced to their text."""
+    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], doc)
+    return " ".join(text.replace("``", "").split())
+
+
+def _prog() -> str:
+    """The command as the user typed it: ``python -m torchtitan_spmd.train``, not a file path."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    if name:
+        return f"python -m {name.removesuffix('.__main__')}"
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def short_help(width: int = 100) -> str:
+    """``--help`` without a config: how to select one, and each section with its one-line summary;
+    ``--help-all`` lists every field."""
+    prog = _prog()
+    lines = [f"usage: {prog} --module M --config C [--section.field VALUE ...]",
+             f"       {prog} --job.config_file F.toml [--section.field VALUE ...]",
+             f"       {prog} --help-all   (every field: type, default, description)", ""]
+    lines += textwrap.wrap(_USAGE.replace(" The options below are those of torchtitan_spmd's JobConfig.", ""),
+                           width)
+    lines += ["", "sections (--section.field VALUE; --module M --config C --help lists a config's fields):"]
+    for name, cls in JobConfig.section_types().items():
+        summary = plain_text((cls.__doc__ or "").split("\n\n")[0])
+        summary = re.sub(r"^\[[a-z_]+\]:\s*", "", summary).split(". ")[0].rstrip(".")
+        lines.append(f"  {name:<23}" + textwrap.shorten(summary, width - 25, placeholder=" ..."))
+    lines.append(f"  {'--hf_assets_path PATH':<23}a Hugging Face assets folder: its tokenizer (and weights)")
+    return "\n".join(lines) + "\n"
+
 
 _USAGE = (
     "Select a config with --module M --config C (a function of M's config_registry, e.g. "
@@ -347,8 +387,9 @@ class ConfigManager:
         args = _legacy.translate_legacy_cli_args(list(args))  # compat hook
         config = _june_ac_over_policy(_release_token_partners(config, args), args)
         tyro = _tyro()
+        args = ["--help" if a == "--help-all" else a for a in args]  # with a config, --help is every field
         return tyro.cli(type(config), args=args, default=config, registry=_custom_registry(),
-                        config=(tyro.conf.CascadeSubcommandArgs,))
+                        config=(tyro.conf.CascadeSubcommandArgs,), prog=_prog())
 
     def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
         """Strip ``--module``/``--config`` (or ``--job.config_file``); return the config and the rest."""
@@ -362,8 +403,11 @@ class ConfigManager:
                     "--module/--config; use one or the other."
                 )
             return self._load_toml(config_file), args
+        if module_name is None and config_name is None and "--help-all" in args:
+            _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry(), prog=_prog())
         if module_name is None and config_name is None and {"-h", "--help"} & set(args):
-            _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry())
+            print(short_help(), end="")
+            raise SystemExit(0)
         if module_name is None:
             raise ValueError(f"--module is required. {_EXAMPLE}")
         if config_name is None:

@@ -24,10 +24,9 @@ reads back; the runtime looks the canonical backend up with :func:`canonical_bac
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from torchtitan_spmd._errors import stacklevel_outside_library
+from torchtitan_spmd._errors import warn_at_user_line
 from torchtitan_spmd._surface import (
     ENV_VAR,
     SURFACES,
@@ -72,4 +71,4 @@ def warn_backend_spelling(value: str, where: str = "parallelism.spmd_backend") -
         category, message = entry
         if where != "parallelism.spmd_backend":
             message = message.replace("parallelism.spmd_backend", where)
-        warnings.warn(message, category, stacklevel=stacklevel_outside_library())
+        warn_at_user_line(message, category)

@@ -16,7 +16,8 @@ the format (``json``, ``text``, ``parquet``): local files only, nothing is downl
 
 **Packing.** The documents, in order, are tokenised as ``[BOS] + ids + [EOS]``
 (``tokenizer.encode_documents``; documents with no text, e.g. blank lines, are skipped) and
-concatenated into one stream that repeats the dataset in order for ever; the stream is cut
+concatenated into one stream that repeats the dataset in order for ever (``infinite=False``:
+one pass, see below); the stream is cut
 into consecutive windows of ``seq_len + 1`` tokens, window ``k`` being global sample ``k``
 (``input_ids = window[:-1]``, ``labels = window[1:]``). As for the synthetic data
 (:mod:`torchtitan_spmd.data.loader`), the global batch of step ``t`` is samples
@@ -24,6 +25,12 @@ into consecutive windows of ``seq_len + 1`` tokens, window ``k`` being global sa
 so what a sample holds does not depend on the layout. Documents run across window (and rank)
 boundaries, so every rank tokenises the documents of the whole global batch and keeps its
 own rows (tokenising is cheap next to a step: see ``docs/benchmarks.md``).
+
+**One pass** (``infinite=False``, upstream's validation set under ``validator.steps = -1``):
+the iterator stops (``StopIteration``) before the first global batch that would need a token
+of the set's second pass; the tokens after the last whole global batch are not read. Every
+rank tokenises the same global stream, so every rank stops after the same batch (upstream's
+per-rank split of the documents can leave ranks with unequal counts and hang).
 
 **Position.** :meth:`PackedTextIterator.state_dict` is the stream position of the next
 global batch, the same on every rank: the epoch, the document and the token offset inside
@@ -131,8 +138,8 @@ def load_documents(dataset: str, dataset_path: str | None) -> Any:
 
 
 class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
-    """Infinite iterator of ``(input_ids, labels)``, each int64 ``[local_batch_size, seq_len]``,
-    over packed documents (see the module docstring).
+    """Iterator of ``(input_ids, labels)``, each int64 ``[local_batch_size, seq_len]``, over
+    packed documents (see the module docstring): endless, or one pass with ``infinite=False``.
 
     Raises:
         ValueError: the tokenizer has neither BOS nor EOS (the documents would run together).
@@ -142,10 +149,12 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         tokenizer: has ``encode_documents(texts) -> list[list[int]]`` (BOS/EOS added).
         dp_rank, dp_degree, local_batch_size, seq_len: as :func:`~torchtitan_spmd.data.build_dataloader`.
         name: how errors name the dataset.
+        infinite: repeat the set for ever (the default), or stop after one pass (the whole
+            global batches of the set's first pass).
     """
 
     def __init__(self, documents: Any, tokenizer: Any, *, dp_rank: int, dp_degree: int,
-                 local_batch_size: int, seq_len: int, name: str = "the dataset") -> None:
+                 local_batch_size: int, seq_len: int, name: str = "the dataset", infinite: bool = True) -> None:
         if getattr(tokenizer, "bos_id", None) is None and getattr(tokenizer, "eos_id", None) is None:
             raise ValueError(f"{name}: the tokenizer {tokenizer!r} has neither a BOS nor an EOS token to separate "
                              "the packed documents (tokenizer_config.json names them: bos_token, eos_token).")
@@ -156,6 +165,8 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         self.local_batch_size = local_batch_size
         self.seq_len = seq_len
         self.name = name
+        self.infinite = infinite
+        self.exhausted = False  # infinite=False: the pass has ended
         self.n_documents = len(documents)
         self.step = 0
         #: The stream position of the next global batch: (epoch, document, token offset).
@@ -205,10 +216,16 @@ class PackedTextIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
                 if self.document == self.n_documents:
                     if epoch_tokens == 0:
                         raise ValueError(f"{self.name}: no document has any text.")
+                    if not self.infinite and len(out) < n:  # one pass: this batch would need the next
+                        self.exhausted = True
+                        raise StopIteration
                     self.epoch, self.document, epoch_tokens = self.epoch + 1, 0, 0
         return out
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exhausted or (not self.infinite and self.epoch > 0):  # the pass ended on a batch's edge
+            self.exhausted = True
+            raise StopIteration
         window, rows = self.seq_len + 1, self.local_batch_size
         tokens = self._take(self.global_batch_size * window)
         first = self.dp_rank * rows * window

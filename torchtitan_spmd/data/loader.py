@@ -160,8 +160,10 @@ def build_dataloader(
     dataset: str = "synthetic",
     dataset_path: str | None = None,
     tokenizer: Any = None,
+    infinite: bool = True,
+    documents: Any = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This data-parallel rank's infinite iterator of ``(input_ids, labels)``.
+    """This data-parallel rank's iterator of ``(input_ids, labels)`` (endless unless ``infinite=False``).
 
     Both tensors are int64 ``[local_batch_size, seq_len]``; ``labels`` is
     ``input_ids`` shifted left by one token (next-token prediction). See the
@@ -180,6 +182,11 @@ def build_dataloader(
             contract, tokenised with ``tokenizer``).
         tokenizer: for a file dataset (None: the byte tokenizer). The synthetic data is
             byte-level: any other tokenizer is an error.
+        infinite: False: one pass over a file dataset, then ``StopIteration``
+            (:class:`~torchtitan_spmd.data.hf_datasets.PackedTextIterator`); the synthetic data is
+            an endless stream, so ``infinite=False`` with it is an error.
+        documents: a file dataset's documents already read (:func:`load_documents` of ``dataset``
+            and ``dataset_path``), to build a fresh loader without reading the files again.
 
     Raises:
         ValueError: a bad argument; the message names it and its value.
@@ -192,6 +199,10 @@ def build_dataloader(
     _check_int("seq_len", seq_len, 1)
     _check_int("seed", seed, 0)
     if dataset == "synthetic":
+        if not infinite:
+            raise ValueError("the synthetic data (dataloader.dataset='synthetic') is an endless stream, generated "
+                             "from the seed: it has no end for one pass over it (infinite=False); use a file "
+                             "dataset ('json', 'text', 'parquet' or 'c4_test').")
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise ValueError("the synthetic data (dataloader.dataset='synthetic') is byte-level; a tokenizer from "
                              f"hf_assets_path={getattr(tokenizer, 'path', None)!r} needs a text dataset: set "
@@ -200,7 +211,8 @@ def build_dataloader(
                                     seq_len=seq_len, seed=seed)
     from torchtitan_spmd.data.hf_datasets import PackedTextIterator, load_documents
 
-    documents = load_documents(dataset, dataset_path)
+    if documents is None:
+        documents = load_documents(dataset, dataset_path)
     return PackedTextIterator(documents, tokenizer if tokenizer is not None else Tokenizer(), dp_rank=dp_rank,
                               dp_degree=dp_degree, local_batch_size=local_batch_size, seq_len=seq_len,
-                              name=f"dataloader.dataset={dataset!r} at {dataset_path!r}")
+                              name=f"dataloader.dataset={dataset!r} at {dataset_path!r}", infinite=infinite)

@@ -859,9 +859,13 @@ class ParallelDims:
 
     @property
     def seq_len_divisor(self) -> int:
-        """What ``training.seq_len`` must divide by: :func:`seq_len_divisor` with headtail CP and
-        sequence parallelism (torchtitan's ``tp * 2 * cp`` when ``cp > 1``)."""
-        return seq_len_divisor(cp=self.cp, tp=self.tp)
+        """torchtitan's ``ParallelDims.seq_len_divisor``, the same at a0c831c49 (June) and b5bcd76
+        (August): ``tp * (cp * 2)``, whatever ``cp`` (so ``2 * tp`` without CP).
+
+        This library's own check of ``training.seq_len`` is the module's :func:`seq_len_divisor`,
+        which knows the load balancer and sequence parallelism (without CP there are no head-tail
+        chunks: ``tp``); this property keeps upstream's value for a fork that reads it."""
+        return self.tp * (self.cp * 2)
 
 
 def seq_len_divisor(*, cp: int, tp: int, load_balancer: str | None = "headtail",

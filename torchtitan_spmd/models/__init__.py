@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +105,10 @@ class ModelSpec:
         state_dict_adapter: the family's Hugging Face adapter class (upstream's field), built
             as ``adapter_cls(model_config, hf_assets_path)``; see
             :mod:`torchtitan_spmd.models.state_dict_adapter`. None: no HF interop.
+        flavor: the flavour a recipe chose (upstream's ``ModelSpec.flavor``), set by
+            :meth:`registry`; None on a family's ``MODEL_SPEC``.
+        converters: the model converters' configs a recipe listed (:meth:`registry`): float8,
+            LoRA, ... (:mod:`torchtitan_spmd.techniques.converters` applies them).
     """
 
     name: str
@@ -113,6 +117,19 @@ class ModelSpec:
     sharding_plan: Callable[..., ShardingPlan]
     validate: Callable[[Any, JobConfig, ParallelDims], None]
     state_dict_adapter: type[StateDictAdapter] | None = None
+    flavor: str | None = None
+    converters: tuple[Any, ...] = ()
+
+    def registry(self, flavor: str, converters: Sequence[Any] | None = None) -> ModelSpec:
+        """Upstream's ``model_registry(flavor, converters=[...])``: this family with ``flavor`` chosen and
+        the model converters (:mod:`torchtitan_spmd.config.converters`) listed, checked (known
+        converters, valid fields, quantization before LoRA). A job takes it as
+        ``job.model_spec = spec``, which sets ``model.name``, ``model.flavor`` and ``model.converters``."""
+        from torchtitan_spmd.config.converters import check_converters
+
+        self.model_config(flavor)  # an unknown flavour: the error listing the valid ones
+        checked = check_converters(list(converters or ()), "model_registry(converters=...)")
+        return dataclasses.replace(self, flavor=flavor, converters=tuple(checked))
 
     def model_config(self, flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> Any:
         """The config of ``flavor``, with ``vocab_size`` and ``max_seq_len`` replaced when given.

@@ -231,11 +231,11 @@ class ScaledDotProductAttention(nn.Module):
 
 
 class VocabShardedEmbedding(nn.Embedding):
-    """An ``nn.Embedding`` whose table may be sharded on the vocabulary (a tied decoder's).
+    """An ``nn.Embedding`` whose table may be sharded on the vocabulary (every decoder's).
 
-    A tied decoder's embedding table is its output projection's weight, which tensor
-    parallelism shards on the vocabulary (``S(0)@tp``, upstream's ``RowwiseParallel`` for an
-    ``nn.Embedding`` and ``ColwiseParallel`` for the output). The plan declares this module a
+    Tensor parallelism shards the table on the vocabulary (``S(0)@tp``, upstream's
+    ``RowwiseParallel`` for an ``nn.Embedding``), tied or not (a tied decoder's table is its
+    output projection's weight, ``ColwiseParallel`` there). The plan declares this module a
     local region: each rank looks up the tokens its rows hold and gives zeros for the others,
     so the output is a pending sum over ``tp`` (reduced, or reduce-scattered onto the residual
     stream, at the module's output boundary).
@@ -408,9 +408,8 @@ class Decoder(nn.Module):
         self.config = config
         c = config
         tied = bool(getattr(c, "enable_weight_tying", False))
-        # Tied: the table is also the output's weight, vocab-sharded under tensor parallelism.
-        embedding = VocabShardedEmbedding if tied else nn.Embedding
-        self.tok_embeddings = embedding(c.vocab_size, c.dim)  # type: ignore[attr-defined]
+        # Vocab-sharded under tensor parallelism, tied or not (tied: the table is also the output's weight).
+        self.tok_embeddings = VocabShardedEmbedding(c.vocab_size, c.dim)  # type: ignore[attr-defined]
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(c.n_layers)})  # type: ignore[attr-defined]
         self.norm = RMSNorm(c.dim, eps=c.norm_eps)  # type: ignore[attr-defined]
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)  # type: ignore[attr-defined]

@@ -8,10 +8,10 @@ Written once, applied by :mod:`torchtitan_spmd.distributed.apply_plan` under eve
 - vocab-parallel ``output`` (weight ``S(0)@tp``, logits ``S(2)@tp``) with loss
   parallel; without it the logits are gathered to ``I@tp`` (every TP rank then
   computes the same loss);
-- replicated RoPE tables and a replicated token embedding; a tied model's embedding
-  (``enable_weight_tying``: its table is the output's weight, ``S(0)@tp``) is vocab-parallel
-  instead: each rank looks up the tokens its rows hold, a pending sum over ``tp`` reduced
-  onto the residual stream (upstream's ``RowwiseParallel`` for an ``nn.Embedding``);
+- replicated RoPE tables; a vocab-parallel token embedding (``S(0)@tp``, tied or not: a tied
+  model's table is the output's weight): each rank looks up the tokens its rows hold, a pending
+  sum over ``tp`` reduced onto the residual stream (upstream's ``RowwiseParallel`` for an
+  ``nn.Embedding``), so neither the table nor the output is whole on any TP rank;
 - attention's SDPA kernel is a local region on local shards (heads ``S(1)@tp``);
 - context parallelism: every activation is sequence-sharded on ``cp`` (``S(1)@cp``;
   heads-first ``S(2)@cp``), the SDPA kernel's queries, keys and values included: the
@@ -45,13 +45,13 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
                  extra: Mapping[str, ModulePlan] | None = None, tied: bool = False) -> ShardingPlan:
     """The TP/SP/CP plan of a decoder, plus the family's ``extra`` module plans.
 
-    ``tied`` (``enable_weight_tying``): the output projection's weight is the embedding's, one
-    tensor with one layout, vocab-parallel on both sides (``S(0)@tp``): the output is the
-    untied plan's (vocab-sharded logits ``S(2)@tp``, into loss parallel when it is on), and the
-    embedding (a :class:`~torchtitan_spmd.models.common.VocabShardedEmbedding`) is a local
-    region that looks up the tokens of this rank's rows (the others zero: a pending sum over
-    ``tp``), reduce-scattered onto the residual stream (all-reduced without sequence
-    parallelism). Both uses' gradients add up in the one parameter, each rank's in its rows.
+    The embedding (a :class:`~torchtitan_spmd.models.common.VocabShardedEmbedding`) is
+    vocab-parallel (``S(0)@tp``), as the output (vocab-sharded logits ``S(2)@tp``, into loss
+    parallel when it is on): a local region that looks up the tokens of this rank's rows (the
+    others zero: a pending sum over ``tp``), reduce-scattered onto the residual stream
+    (all-reduced without sequence parallelism). One mechanism for both: ``tied``
+    (``enable_weight_tying``) changes nothing in the plan; the output projection's weight is then
+    the embedding's, one tensor with one layout, and both uses' gradients add up in it.
     """
     replicated = SpmdLayout()
     sequence = SpmdLayout({"cp": S(1)})  # [batch, seq/cp, ...], replicated on tp
@@ -74,10 +74,6 @@ def decoder_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     modules: dict[str, ModulePlan] = {
         "": ModulePlan(params={"rope_cos": replicated, "rope_sin": replicated}),
         "tok_embeddings": ModulePlan(
-            params={"weight": replicated},
-            inputs=(sequence,),
-            output=Redistribute(sequence, residual),
-        ) if not tied else ModulePlan(
             params={"weight": vocab_rows, "vocab_ids": vocab_rows},
             inputs=(sequence,),
             output=Redistribute(partial, residual),

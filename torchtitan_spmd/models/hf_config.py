@@ -110,9 +110,10 @@ def validate_hf_config(job_config: JobConfig, spec: ModelSpec) -> None:
         require_safetensors()
 
 
-def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int,
+def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: int | None,
                          max_seq_len: int | None = None) -> Any:
-    """The model config of ``model.flavor``: a named flavour (vocabulary ``vocab_size``), or with
+    """The model config of ``model.flavor``: a named flavour (vocabulary ``vocab_size``; None: the
+    flavour's own), or with
     ``from_hf`` the HF folder's ``config.json`` sizes (its own vocabulary, which must hold
     ``vocab_size`` ids). ``max_seq_len`` (the RoPE tables' rows, from ``training.seq_len``)
     replaces the config's when given, for either. With ``checkpoint.initial_load_in_hf`` the folder's ``config.json``
@@ -132,7 +133,7 @@ def resolve_model_config(spec: ModelSpec, job_config: JobConfig, *, vocab_size: 
     assert folder is not None and spec.state_dict_adapter is not None
     where = os.path.join(folder, _CONFIG)
     config = spec.state_dict_adapter.model_config_from_hf(read_hf_config(folder), where=where)
-    if config.vocab_size < vocab_size:
+    if vocab_size is not None and config.vocab_size < vocab_size:
         raise HFConfigError(f"{where}: vocab_size={config.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_size} ids.")
     return replace_config(config, max_seq_len=max_seq_len)

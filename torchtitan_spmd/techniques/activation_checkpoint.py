@@ -53,7 +53,8 @@ from torchtitan_spmd.config.support import check_supported
 if TYPE_CHECKING:
     from torchtitan_spmd.config import ActivationCheckpointConfig
 
-__all__ = ["AC_MODES", "ActivationCheckpointing", "FullAC", "MemoryBudgetAC", "SelectiveAC", "apply_ac", "save_ops"]
+__all__ = ["AC_MODES", "ActivationCheckpointing", "FullAC", "MemoryBudgetAC", "SelectiveAC", "apply_ac", "save_ops",
+           "selective_policy"]
 
 #: The modes :func:`apply_ac` implements.
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -138,6 +139,14 @@ def _selective_policy(saved: set[Any], recompute_shapes: set[torch.Size]) -> Cal
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def selective_policy(block: nn.Module, ac: ActivationCheckpointConfig, base_fqn: str) -> Callable[..., CheckpointPolicy]:
+    """A fresh per-op policy of selective AC for one forward of ``block`` (named ``base_fqn``), as
+    :func:`apply_ac` gives ``create_selective_checkpoint_contexts`` (the dry run's estimate
+    applies the same one: :func:`torchtitan_spmd.dry_run.activation_bytes`)."""
+    shapes = _mm_recompute_shapes(block, list(ac.per_op_sac_force_recompute_mm_shapes_by_fqns), base_fqn)
+    return _selective_policy(save_ops(), shapes)
 
 
 def _wrap(block: nn.Module, ac: ActivationCheckpointConfig, base_fqn: str) -> nn.Module:

@@ -11,6 +11,15 @@ Setup errors (:func:`validate_compile`): an unknown component, an unknown backen
 and type checking (``debug.spmd_typechecking`` under ``spmd_types``) together with
 compile: the checker propagates types op by op in Python, which Dynamo does not
 trace; check the model eagerly, then compile it.
+
+Async tensor parallelism (``parallelism.enable_async_tensor_parallel``, upstream #4045; its
+August place ``compile.enable_async_tensor_parallel``): on CUDA, wired as upstream wires it
+(:func:`maybe_enable_async_tp`): symmetric memory on the TP group and inductor's micro-pipeline TP
+pass (``torch._inductor.config._micro_pipeline_tp``), which rewrites the compiled blocks'
+all-gather + matmul and matmul + reduce-scatter pairs into overlapped ones. June's field needs
+the blocks compiled, as upstream's ``maybe_enable_async_tp``. The dry run
+(``comm.mode="fake_backend"``) accepts it (the bytes do not change); a real run off CUDA refuses
+it in one line (:func:`validate_async_tp`): there is no symmetric memory to run it on.
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torchtitan_spmd.config import CompileConfig, JobConfig
+    from torchtitan_spmd.distributed.parallel_dims import ParallelDims
     from torchtitan_spmd.distributed.representation import TensorRepresentation
 
-__all__ = ["COMPILE_COMPONENTS", "apply_compile", "maybe_compile_loss", "validate_compile"]
+__all__ = ["COMPILE_COMPONENTS", "apply_compile", "async_tp_field", "maybe_compile_loss", "maybe_enable_async_tp",
+           "validate_async_tp", "validate_compile"]
 
 #: What ``compile.components`` may name.
 COMPILE_COMPONENTS: tuple[str, ...] = ("model", "loss")
@@ -98,3 +109,49 @@ def maybe_compile_loss(loss_fn: F, compile_config: CompileConfig) -> F:
     if compile_config.enable and "loss" in compile_config.components:
         return torch.compile(loss_fn, backend=compile_config.backend)  # type: ignore[return-value]
     return loss_fn
+
+
+def async_tp_field(job_config: JobConfig) -> str | None:
+    """The field that turns async tensor parallelism on (June's ``parallelism.`` or August's
+    ``compile.enable_async_tensor_parallel``), or None when it is off."""
+    for section in ("parallelism", "compile"):
+        if getattr(getattr(job_config, section), "enable_async_tensor_parallel", False):
+            return f"{section}.enable_async_tensor_parallel"
+    return None
+
+
+def validate_async_tp(job_config: JobConfig, device_type: str) -> None:
+    """Raise ``ValueError`` at setup for async TP that cannot run: June's field without the blocks
+    compiled (upstream's "Async TP requires 'model' in --compile.components and --compile.enable"),
+    and a real run off CUDA. The dry run (``comm.mode="fake_backend"``) accepts it."""
+    field = async_tp_field(job_config)
+    if field is None:
+        return
+    cfg = job_config.compile
+    if job_config.parallelism.enable_async_tensor_parallel and not (cfg.enable and "model" in cfg.components):
+        raise ValueError("parallelism.enable_async_tensor_parallel=True requires compile.enable=True with 'model' "
+                         f"in compile.components (got enable={cfg.enable}, components={list(cfg.components)!r}): "
+                         "inductor's micro-pipeline TP pass rewrites the compiled blocks, as upstream.")
+    if job_config.comm.mode == "fake_backend" or device_type == "cuda":
+        return
+    raise ValueError(f"{field}=True needs CUDA: async tensor parallelism overlaps the TP collectives through "
+                     f"symmetric memory, which this {device_type} run does not have; "
+                     f"set --{field.replace('_', '-').replace('.enable-', '.no-enable-')} to run it without.")
+
+
+def maybe_enable_async_tp(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> bool:
+    """On CUDA with async TP on and a ``tp`` axis: symmetric memory on the TP group and inductor's
+    micro-pipeline TP pass on, as upstream (b5bcd76 ``_maybe_enable_async_tp``); returns whether it
+    did. Before the blocks are compiled (the pass runs when they first are)."""
+    if async_tp_field(job_config) is None or not parallel_dims.tp_enabled or device_type != "cuda":
+        return False
+    import warnings  # noqa: PLC0415
+
+    import torch._inductor.config  # noqa: PLC0415
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group  # noqa: PLC0415
+
+    with warnings.catch_warnings():  # deprecated in newer torch, which registers the group itself
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(parallel_dims.get_mesh("tp").get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+    return True

@@ -54,10 +54,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_spmd.config.backends import backend_names, resolve_backend
+from torchtitan_spmd.distributed.context_parallel import (
+    context_parallel_backends,
+    validate_cp_backend,
+)
 from torchtitan_spmd.distributed.parallel_dims import seq_len_divisor as _seq_len_divisor
 from torchtitan_spmd.distributed.plan import ShardingPlan, fqn_matches
-from torchtitan_spmd.distributed.representation import get_representation
 
 try:  # torch >= 2.9
     from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
@@ -85,38 +87,6 @@ LOAD_BALANCERS: tuple[str | None, ...] = ("headtail", None)
 #: The key/value exchanges this runtime implements (torch's two rotaters).
 ROTATE_METHODS: tuple[str, ...] = ("allgather", "alltoall")
 _TORCH_ROTATE = {"allgather": _torch_cp._RotateMethod.ALL_GATHER, "alltoall": _torch_cp._RotateMethod.ALL_TO_ALL}
-
-
-def context_parallel_backends() -> tuple[str, ...]:
-    """The ``spmd_backend`` values whose representation runs context parallelism (in this build)."""
-    names = []
-    for name in backend_names():
-        try:
-            cls = get_representation(name)
-        except ValueError:  # a stack prefix without that backend's runtime
-            continue
-        if cls.supports_context_parallel:
-            names.append(name)
-    return tuple(names)
-
-
-def validate_cp_backend(parallelism: ParallelismConfig) -> None:
-    """Raise ``ValueError`` when ``context_parallel_degree > 1`` under a backend without CP.
-
-    torchtitan's function of that name; here ``full_dtensor`` runs CP as well as
-    ``spmd_types`` (torchtitan removed its DTensor CP path with the ``full_dtensor``
-    backend, #4217/#4218).
-    """
-    if parallelism.context_parallel_degree <= 1:
-        return
-    backends = context_parallel_backends()
-    if resolve_backend(parallelism.spmd_backend) not in backends:  # a spelling such as partial_dtensor
-        wanted = " or ".join(f"parallelism.spmd_backend={b!r}" for b in backends) or "a backend with CP"
-        raise ValueError(
-            f"Context Parallel requires {wanted}, got {parallelism.spmd_backend!r} "
-            f"(parallelism.context_parallel_degree={parallelism.context_parallel_degree}); "
-            "or set parallelism.context_parallel_degree=1."
-        )
 
 
 def seq_len_divisor(parallelism: ParallelismConfig) -> int:

@@ -600,6 +600,9 @@ class PipelineParallel:
     #: ``pipeline_parallel_schedule_csv``: the schedule's actions from this file (torch's
     #: ``_PipelineScheduleRuntime``), "" for the schedule class of ``schedule_name``.
     schedule_csv: str = ""
+    #: The global ranks that hold this rank's stages (this rank among them), for the one start-up
+    #: line per stage group; empty: this rank alone.
+    stage_ranks: list[int] = field(default_factory=list)
     #: The model's state-dict keys the other stages hold (set by :meth:`split`).
     other_stage_keys: frozenset[str] = frozenset()
     #: How the stages meet the schedule (set by :meth:`build_schedule`).
@@ -624,7 +627,10 @@ class PipelineParallel:
             return None
         pp_mesh = parallel_dims.get_mesh("pp")
         indices = stages.indices_of(pp_mesh.get_local_rank())
+        world = parallel_dims.world_mesh  # pp is its outermost axis: the ranks of one pp rank
+        same = world.mesh[pp_mesh.get_local_rank()].flatten().tolist() if world.mesh.dim() else []
         return cls(schedule_name=stages.schedule_name, num_stages=stages.num_stages, stage_indices=indices,
+                   stage_ranks=[int(r) for r in same],
                    module_names=[list(stages.parts[i]) for i in indices], n_microbatches=stages.n_microbatches,
                    group=pp_mesh.get_group(), schedule_csv=stages.schedule_csv,
                    microbatch_rows=stages.local_rows // stages.n_microbatches)
@@ -658,8 +664,7 @@ class PipelineParallel:
         if self.schedule_csv:
             self.schedule = csv_schedule(self.schedule_csv, stages, self.n_microbatches, self.loss,
                                          placement=self.placement(), num_stages=self.num_stages)
-            logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
-                        f"schedule from {self.schedule_csv}, {self.n_microbatches} microbatches a local batch")
+            self._log_stages(f"schedule from {self.schedule_csv}, {self.n_microbatches} microbatches a local batch")
             return
         schedule_class = get_schedule_class(self.schedule_name)
         try:
@@ -670,8 +675,16 @@ class PipelineParallel:
                              f"{self.n_microbatches} microbatches (of {self.microbatch_rows} sequences: "
                              f"parallelism.num_pp_microbatches, or training.local_batch_size / "
                              f"pipeline_parallel_microbatch_size) and {self.num_stages} stages: {err}") from None
-        logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} hold {self.module_names}; "
-                    f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
+        self._log_stages(f"schedule {self.schedule_name}, {self.n_microbatches} microbatches a local batch")
+
+    def _log_stages(self, schedule: str) -> None:
+        """One line per group of ranks holding the same stages, logged by its lowest rank, naming them all."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        ranks = self.stage_ranks or [rank]
+        if rank == min(ranks):
+            logger.info(f"pipeline: stages {self.stage_indices} of {self.num_stages} on rank"
+                        f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} hold {self.module_names}; "
+                        f"{schedule}", extra={"every_rank": True})
 
     def placement(self) -> dict[int, int]:
         """Every stage's pp rank: ``s % pp`` (loop placement), V-shaped schedules ``s`` for the

@@ -50,15 +50,17 @@ class WarmupStableDecay:
         """From an ``[lr_scheduler]`` section and ``training.steps``, as upstream builds it."""
         total = config.total_steps if config.total_steps is not None else training_steps
         warmup = int(config.warmup_steps)
-        if warmup > total:
+        once = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # one line per job
+        if warmup > total and once:
             logger.warning(f"lr_scheduler.warmup_steps={warmup} exceeds the {total} steps of the "
                            f"schedule: the warmup is {total} steps.")
-            warmup = total
+        warmup = min(warmup, total)
         if config.decay_ratio is not None:
             decay = round(total * config.decay_ratio)
             if warmup + decay > total:
-                logger.warning(f"lr_scheduler: warmup ({warmup}) + decay ({decay}) steps exceed the "
-                               f"{total} steps of the schedule: the decay is {total - warmup} steps.")
+                if once:
+                    logger.warning(f"lr_scheduler: warmup ({warmup}) + decay ({decay}) steps exceed the "
+                                   f"{total} steps of the schedule: the decay is {total - warmup} steps.")
                 decay = total - warmup
         else:
             decay = total - warmup

@@ -71,7 +71,9 @@ class MetricsLogger:
         if wandb_dir is not None:
             wandb = require("wandb", "wandb", "metrics.enable_wandb")
             os.makedirs(wandb_dir, exist_ok=True)
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=wandb_dir,
+            # W&B writes into a "wandb" folder of its dir: wandb_dir is that folder, not nested twice
+            parent = os.path.dirname(wandb_dir) if os.path.basename(wandb_dir) == "wandb" else wandb_dir
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=parent,
                                      config=wandb_config or {})
 
     def _values(self, record: Any) -> dict[str, float]:
@@ -126,7 +128,8 @@ def build_metrics_logger(config: Any, dump_folder: str, *, writes: bool | None =
     """The ``[metrics]`` section's logger for this process: TensorBoard into
     ``dump_folder/save_tb_folder/<YYYYmmdd-HHMM>`` when ``enable_tensorboard``, W&B into
     ``dump_folder/wandb`` when ``enable_wandb``, if this process writes (``writes``; by default
-    rank 0, or every rank, each in ``rank_<r>``, with ``save_for_all_ranks``); otherwise a no-op
+    rank 0, or every rank, each in ``rank_<r>`` (TensorBoard's ``.../rank_<r>``, W&B's
+    ``dump_folder/rank_<r>/wandb``), with ``save_for_all_ranks``); otherwise a no-op
     logger. Every process checks that the enabled packages are installed, so a missing extra
     stops all of them at setup."""
     check_metrics_extras(config)
@@ -138,5 +141,5 @@ def build_metrics_logger(config: Any, dump_folder: str, *, writes: bool | None =
     leaf = f"rank_{rank}" if all_ranks else ""
     tb = (os.path.join(dump_folder, config.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M"), leaf)
           if config.enable_tensorboard else None)
-    wb = os.path.join(dump_folder, "wandb", leaf) if getattr(config, "enable_wandb", False) else None
+    wb = os.path.join(dump_folder, leaf, "wandb") if getattr(config, "enable_wandb", False) else None
     return MetricsLogger(tb.rstrip(os.sep) if tb else None, wb.rstrip(os.sep) if wb else None, job_config)

@@ -127,8 +127,8 @@ def build_optimizer(model: nn.Module, config: Any, *, whole_model: bool = True) 
 
     The state is the parameters' dtype (float32 whatever ``training.mixed_precision_param``).
     Raises ``ValueError`` naming the pattern that claims no parameter (only when
-    ``whole_model``: a pipeline stage's part may lack what a pattern is for), or the trainable
-    parameters that no pattern claims.
+    ``whole_model``: a pipeline stage's part may lack what a pattern is for), the trainable
+    parameters that no pattern claims, or a group whose ``optimizer_kwargs`` torch refuses.
     """
     impl = _impl_kwargs(config.implementation)
     named = list(_named_trainable(model))
@@ -137,12 +137,32 @@ def build_optimizer(model: nn.Module, config: Any, *, whole_model: bool = True) 
                                      eps=config.eps, weight_decay=config.weight_decay, betas=BETAS, **impl)
     by_class: dict[str, list[dict[str, Any]]] = {}
     groups = assign_groups([n for n, _ in named], config.param_groups, require_every_pattern=whole_model)
-    for group, mine in zip(config.param_groups, groups, strict=True):
+    for index, (group, mine) in enumerate(zip(config.param_groups, groups, strict=True)):
         if mine:
+            kwargs = {**impl, **group.optimizer_kwargs}
+            _check_group_kwargs(index, group, kwargs, named[mine[0]][1])
             by_class.setdefault(group.optimizer_name, []).append(
-                {"params": [named[j][1] for j in mine], "pattern": group.pattern, **impl, **group.optimizer_kwargs})
+                {"params": [named[j][1] for j in mine], "pattern": group.pattern, **kwargs})
     optimizers = [_CLASSES[name](groups) for name, groups in by_class.items()]
     return optimizers[0] if len(optimizers) == 1 else Optimizers(optimizers)
+
+
+def _check_group_kwargs(index: int, group: Any, kwargs: dict[str, Any], like: torch.Tensor) -> None:
+    """torch's own judgement of one group's kwargs, as one ``ValueError`` naming the group.
+
+    A torch optimizer checks the values of its constructor's arguments (``lr >= 0``, ``betas``,
+    ``eps``, unknown names, ``fused`` with ``foreach``), not those of a group dict it is given, so
+    the group's kwargs go to the class's constructor over a one-element probe like ``like`` (its
+    device and dtype): upstream passes the same kwargs to torch, which takes ``lr=0``.
+    """
+    cls = _CLASSES[group.optimizer_name]
+    probe = torch.zeros(1, dtype=like.dtype, device=like.device, requires_grad=True)
+    try:
+        cls([probe], **kwargs)
+    except (ValueError, TypeError, IndexError, RuntimeError, KeyError) as err:
+        raise ValueError(f"optimizer.param_groups[{index}] (pattern {group.pattern!r}): torch.optim."
+                         f"{cls.__name__} refuses optimizer_kwargs {dict(group.optimizer_kwargs)!r}: "
+                         f"{type(err).__name__}: {err}") from None
 
 
 def grouping(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:

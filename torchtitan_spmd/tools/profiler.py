@@ -16,9 +16,13 @@ before that field), independently of the trace windows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import re
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +37,30 @@ def memory_snapshot_freq(config: Any) -> int:
     is None (upstream b5bcd76's rule; a config of June's shape, without the field, is the latter)."""
     freq = getattr(config, "memory_snapshot_freq", None)
     return config.profile_freq if freq is None else freq
+
+
+#: Kineto's log level that silences its lines (``USDT: profiler_start``, ``Completed Stage``, and on CPU
+#: ``gpuGetDeviceCount failed``); read when the first profile starts.
+_KINETO_QUIET = "6"
+
+#: torch.profiler's warnings about settings this module chose: each window's trace is written at its
+#: end (``acc_events`` off), and ``profiler_warmup=0`` is the user's to choose.
+_PROFILER_CHATTER = ("Warning: Profiler clears events at the end of each cycle", "Profiler won't be using warmup")
+
+
+def quiet_kineto() -> None:
+    """Kineto's own lines off, unless asked for: a ``KINETO_LOG_LEVEL`` set in the environment is kept
+    (then torch.profiler's warnings are shown too)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
+
+
+@contextlib.contextmanager
+def _no_profiler_chatter() -> Iterator[None]:
+    with warnings.catch_warnings():
+        if os.environ.get("KINETO_LOG_LEVEL") == _KINETO_QUIET:
+            for text in _PROFILER_CHATTER:
+                warnings.filterwarnings("ignore", message=re.escape(text), category=UserWarning)
+        yield
 
 
 class Profiler:
@@ -55,15 +83,21 @@ class Profiler:
         if cfg.enable_profiling:
             extra = {k: v for k, v in (("repeat", cfg.profiler_repeat), ("skip_first", cfg.profiler_skip_first),
                                        ("skip_first_wait", cfg.profiler_skip_first_wait)) if v is not None}
+            if self.device_type == "cpu":
+                quiet_kineto()
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device_type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with _no_profiler_chatter():
+                schedule = torch.profiler.schedule(
+                    wait=cfg.profile_freq - cfg.profiler_active - cfg.profiler_warmup,
+                    warmup=cfg.profiler_warmup, active=cfg.profiler_active, **extra)
             self._torch = torch.profiler.profile(
                 activities=activities,
-                schedule=torch.profiler.schedule(wait=cfg.profile_freq - cfg.profiler_active - cfg.profiler_warmup,
-                                                 warmup=cfg.profiler_warmup, active=cfg.profiler_active, **extra),
+                schedule=schedule,
                 on_trace_ready=self._write_trace, record_shapes=True)
-            self._torch.__enter__()
+            with _no_profiler_chatter():
+                self._torch.__enter__()
             self._torch.step_num = self.step_num
             if self.rank == 0:
                 logger.info(f"profiling: traces of every {cfg.profile_freq}th step window go to {self.trace_dir}")
@@ -95,7 +129,8 @@ class Profiler:
         :meth:`snapshot_due` (CUDA only)."""
         self.step_num += 1
         if self._torch is not None:
-            self._torch.step()
+            with _no_profiler_chatter():
+                self._torch.step()
         if self._memory and self.snapshot_due(self.step_num):
             folder = os.path.join(self.memory_dir, f"step_{self.step_num:012d}")
             os.makedirs(folder, exist_ok=True)
@@ -104,7 +139,8 @@ class Profiler:
 
     def __exit__(self, *exc: Any) -> bool:
         if self._torch is not None:
-            self._torch.__exit__(*exc)
+            with _no_profiler_chatter():
+                self._torch.__exit__(*exc)
             self._torch = None
         if self._memory:
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_spmd.models import ModelSpec
 from torchtitan_spmd.models.common import (
@@ -25,6 +25,7 @@ __all__ = [
     "Qwen3StateDictAdapter",
     "FLAVORS",
     "MODEL_SPEC",
+    "model_registry",
     "MOE_FLAVORS",
     "Qwen3Attention",
     "Qwen3Block",
@@ -125,3 +126,12 @@ MODEL_SPEC = ModelSpec(
 
 #: ``build_model(flavor, *, seed, vocab_size=None)``: full-size on CPU, initialised (tests, notebooks).
 build_model = MODEL_SPEC.build_initialized
+
+
+def model_registry(flavor: str, attn_backend: str | None = None, converters: list[Any] | None = None) -> ModelSpec:
+    """Upstream's ``model_registry(flavor, attn_backend=..., converters=[...])``: the family's spec with
+    ``flavor`` and the model converters (``job.model_spec = model_registry(...)``). ``attn_backend`` is
+    accepted for upstream's recipes and ignored: this library's attention is SDPA (with a mask for
+    packed documents), on every device."""
+    del attn_backend
+    return MODEL_SPEC.registry(flavor, converters)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.config.converters import NVFP4LinearConverterConfig
 from torchtitan_spmd.models import cpu_job_config, upstream_recipe
 
+from . import model_registry
+
 __all__ = ["qwen3_0_6b", "qwen3_14b", "qwen3_1_7b", "qwen3_30b_a3b", "qwen3_32b", "qwen3_debugmodel",
-           "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny"]
+           "qwen3_debugmodel_first_85_pct_layers_nvfp4", "qwen3_debugmodel_nvfp4", "qwen3_moe_debug",
+           "qwen3_moe_tiny", "qwen3_tiny"]
 
 
 def qwen3_debugmodel() -> JobConfig:
@@ -72,3 +76,22 @@ def qwen3_30b_a3b() -> JobConfig:
 
 for _recipe in (qwen3_0_6b, qwen3_1_7b, qwen3_14b, qwen3_32b, qwen3_30b_a3b):
     _recipe.__doc__ = f"{_recipe.__doc__} {_EXTRAS}"
+
+
+def qwen3_debugmodel_nvfp4() -> JobConfig:
+    """Upstream's (b5bcd76): the debug model's block linears in NVFP4 under ``spmd_types`` (an SM100+ GPU)."""
+    job = qwen3_debugmodel()
+    job.parallelism.spmd_backend = "spmd_types"
+    job.model_spec = model_registry("debugmodel", converters=[NVFP4LinearConverterConfig(fqns=["layers"])])
+    return job
+
+
+def qwen3_debugmodel_first_85_pct_layers_nvfp4() -> JobConfig:
+    """Upstream's (b5bcd76): NVFP4 on the first 85 % of the debug model's blocks (an SM100+ GPU)."""
+    job = qwen3_debugmodel()
+    job.parallelism.spmd_backend = "spmd_types"
+    n_layers = model_registry("debugmodel").model_config("debugmodel").n_layers
+    keep = n_layers - max(1, round(n_layers * 0.15))
+    job.model_spec = model_registry("debugmodel", converters=[
+        NVFP4LinearConverterConfig(fqns=[f"layers.{i}." for i in range(keep)])])
+    return job

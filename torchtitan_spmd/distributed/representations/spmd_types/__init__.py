@@ -250,6 +250,33 @@ class SpmdTypesRepresentation(TensorRepresentation):
     def to_local(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def amax_max_over_tp(self) -> Callable[..., torch.Tensor]:
+        """The max over ``tp`` of a float8 scale's amax (:mod:`torchtitan_spmd.techniques.quantization`),
+        typed: each rank's amax over its shard keeps the shard's type (``S(dim)@tp``: the ranks' amaxes
+        side by side along the scaled ``dim``), an all-gather makes them ``R@tp`` and their max is
+        the unsharded amax. A dropped reduction leaves the scale varying over tp where the float8
+        matmul's type rule needs it the same on every tp rank."""
+        mesh = self.forward_mesh
+        assert mesh is not None
+        tp = group(mesh, "tp")
+
+        def reduce(amax: torch.Tensor, dim: int) -> torch.Tensor:
+            return st.all_gather(amax, tp, src=st.S(dim), dst=R).amax(dim, keepdim=True)
+
+        def local_amax(t: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+            """The amax over this rank's shard of ``t``, typed as ``t`` (DTensor's rule would call it
+            a pending max, which spmd_types does not type)."""
+            with st.no_typecheck():
+                amax = compute()
+            if has_local_type(t):
+                from spmd_types.runtime import get_partition_spec
+
+                st.assert_type(amax, dict(st.get_local_type(t)), partition_spec=get_partition_spec(t))
+            return amax
+
+        reduce.local_amax = local_amax  # type: ignore[attr-defined]
+        return reduce
+
     def sum_over_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks holding different tokens: ``P -> I`` on ``dp`` and on ``cp``."""
         mesh = self.forward_mesh

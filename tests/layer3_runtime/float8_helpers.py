@@ -1,0 +1,281 @@
+"""Helpers for the converter tests: the trainer with model converters on forked gloo ranks, and the
+judge it is compared with: torchao's own single-process ``Float8Linear`` model, which shares no
+code with the library's float8 technique.
+
+The judge is the tiny Llama built from the same seed (the family's ``initial_value``, which every
+layout starts from), converted by ``torchao.float8.convert_to_float8_training`` with the same
+recipe, trained with ``torch.optim.AdamW`` on the same global batches, the learning rate from the
+reference's closed form (:func:`torchtitan_spmd.reference.lr_factor`). Each data-parallel rank's
+rows go through the model as their own forward (float8 scales tokens per rank: the weight
+gradient's per-column scales are those of the rank's batch, in a run as in upstream's FSDP); the
+loss is the global token mean, so the gradients add up as FSDP's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import grad_probe
+import pytest
+import torch
+import torch.nn.functional as F
+from parity_helpers import job_config, warm_parent
+
+from torchtitan_spmd.config import JobConfig
+from torchtitan_spmd.config.converters import Float8LinearConverterConfig, LoRAConverterConfig
+from torchtitan_spmd.launcher import run_forked
+
+__all__ = ["F8_STEPS", "F8_TOL", "LORA", "PARALLELISM", "check_float8_parity", "check_lora", "float8_job", "run_trainer",
+           "torchao_reference"]
+
+PARALLELISM: dict[str, Any] = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}
+F8_STEPS = 3
+LOCAL_BATCH = 2
+
+
+def float8_job(backend: str, converters: list[Any], *, parallelism: dict[str, Any] | None = None,
+               steps: int = F8_STEPS, **debug: Any) -> JobConfig:
+    """The parity job (tiny Llama, fp32, deterministic) of ``backend`` with ``converters``."""
+    cfg = job_config(backend, parallelism or PARALLELISM, local_batch=LOCAL_BATCH, steps=steps, **debug)
+    cfg.model.converters = list(converters)
+    cfg.validate()
+    return cfg
+
+
+def _train(rank: int, world: int, cfg: JobConfig, probe: str | None) -> dict[str, Any]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    extra: dict[str, Any] = {}
+    if probe is not None:
+        import importlib
+
+        module, _, name = probe.partition(":")
+        extra = getattr(importlib.import_module(module), name)(trainer)
+    records = [trainer.step(s) for s in range(1, cfg.training.steps + 1)]
+    out = {"records": [(r.loss, r.grad_norm) for r in records]}
+    if probe is not None:
+        out["probe"] = extra["result"]()
+    trainer.close()
+    return out
+
+
+def run_trainer(cfg: JobConfig, world: int = 4, probe: str | None = None) -> tuple[list[dict[str, Any]], Any]:
+    """Every rank's ``{"records", "probe"}`` and the pooled step-1 gradient trace (:mod:`grad_probe`)."""
+    warm_parent()
+    results = run_forked(grad_probe.probed(_train), world, cfg, probe, timeout_s=300)
+    outs = [r for r, _ in results]
+    for rank, out in enumerate(outs):
+        assert out["records"] == outs[0]["records"], f"rank {rank} logged {out['records']}, rank 0 {outs[0]['records']}"
+    return outs, grad_probe.merge([t for _, t in results])[0]
+
+
+@functools.cache
+def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = (),
+                      rows: int = LOCAL_BATCH) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[str, float], ...]]:
+    """``((loss, grad_norm) per step, (name, step-1 gradient norm) per parameter)`` of torchao's own
+    float8 model (emulated ``recipe``) on the parity job's data over ``dp`` data-parallel ranks;
+    the linears whose name is in ``skip`` stay in high precision. ``rows``: the rows of one
+    forward (a pipeline's microbatch: its own scales)."""
+    import torchao.float8 as f8
+
+    from torchtitan_spmd import reference
+    from torchtitan_spmd.data import build_tokenizer
+    from torchtitan_spmd.models import get_model_spec
+
+    cfg = float8_job("default", [], parallelism={"data_parallel_shard_degree": 1}, steps=steps)
+    seed, vocab = cfg.debug.seed, build_tokenizer(None).model_vocab_size
+    model = get_model_spec("llama3").build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
+                                                       max_seq_len=cfg.training.seq_len)
+    config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: (
+        m.in_features % 16 == 0 and m.out_features % 16 == 0 and fqn.rpartition(".")[2] not in skip))
+    n_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    want = 15 - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1 for s in skip)
+    assert n_float8 == want, f"torchao converted {n_float8} linears, expected {want}"
+    opt_cfg = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                            betas=reference.ADAMW_BETAS, foreach=False)
+    records, grad_norms = [], ()
+    batches = reference.global_batches(cfg, dp * LOCAL_BATCH, seed)
+    for step, (tokens, labels) in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = opt_cfg.lr * reference.lr_factor(
+                step, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=steps,
+                min_lr_factor=cfg.lr_scheduler.min_lr_factor, decay_ratio=cfg.lr_scheduler.decay_ratio,
+                decay_type=cfg.lr_scheduler.decay_type)
+        total = torch.zeros(())
+        for r in range(dp * LOCAL_BATCH // rows):  # each rank's rows (microbatch): own forward, own scales
+            chunk = slice(r * rows, (r + 1) * rows)
+            logits = model(tokens[chunk])
+            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[chunk].reshape(-1),
+                                            reduction="sum")
+        loss = total / labels.numel()
+        loss.backward()
+        if step == 0:
+            grad_norms = tuple((n, float(p.grad.norm())) for n, p in model.named_parameters())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.training.max_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        records.append((float(loss.detach()), float(norm)))
+    return tuple(records), grad_norms
+
+
+#: The casts of one float8 linear's forward and backward: 2 + 4.
+CASTS_PER_LINEAR = 6
+
+
+def _recording(calls: list[tuple[str, list[float], tuple[int, ...]]], limit: int, real: Any) -> Any:
+    def hp_tensor_and_scale_to_float8(hp_tensor: torch.Tensor, s: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if len(calls) < limit:
+            role = args[2] if len(args) > 2 else kwargs.get("gemm_input_role")
+            scale = s.to_local() if hasattr(s, "to_local") else s
+            calls.append((str(role), [float(v) for v in scale.reshape(-1)], tuple(scale.shape)))
+        return real(hp_tensor, s, *args, **kwargs)
+
+    return hp_tensor_and_scale_to_float8
+
+
+def scale_probe(trainer: Any) -> dict[str, Any]:
+    """Every float8 cast's scale (role, values, local shape) of this rank's first forward and backward."""
+    import torchao.float8.float8_training_tensor as tt
+
+    n_linears = sum(type(m).__name__.endswith("Float8Linear") for m in trainer.model.modules())
+    calls: list[tuple[str, list[float], tuple[int, ...]]] = []
+    tt.hp_tensor_and_scale_to_float8 = _recording(calls, CASTS_PER_LINEAR * n_linears, tt.hp_tensor_and_scale_to_float8)
+    return {"result": lambda: {"calls": calls, "tp_rank": trainer.parallel_dims.get_mesh("tp").get_local_rank()}}
+
+
+def torchao_scales(recipe: str) -> list[tuple[str, list[float], tuple[int, ...]]]:
+    """The same casts of torchao's single-process model: data-parallel rank 0's rows of step 1."""
+    import torchao.float8 as f8
+    import torchao.float8.float8_scaling_utils as su
+
+    from torchtitan_spmd import reference
+    from torchtitan_spmd.data import build_tokenizer
+    from torchtitan_spmd.models import get_model_spec
+
+    cfg = float8_job("default", [], parallelism={"data_parallel_shard_degree": 1}, steps=1)
+    seed, vocab = cfg.debug.seed, build_tokenizer(None).model_vocab_size
+    model = get_model_spec("llama3").build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
+                                                       max_seq_len=cfg.training.seq_len)
+    config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    f8.convert_to_float8_training(model, config=config)
+    calls: list[tuple[str, list[float], tuple[int, ...]]] = []
+    real = su.hp_tensor_and_scale_to_float8
+    su.hp_tensor_and_scale_to_float8 = _recording(calls, 10**6, real)
+    try:
+        tokens, labels = reference.global_batches(cfg, 2 * LOCAL_BATCH, seed)[0]
+        logits = model(tokens[:LOCAL_BATCH])
+        # the rank's share of the global mean: its token sum over the global batch's tokens
+        (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:LOCAL_BATCH].reshape(-1), reduction="sum")
+         / labels.numel()).backward()
+    finally:
+        su.hp_tensor_and_scale_to_float8 = real
+    return calls
+
+
+def lora_probe(trainer: Any) -> dict[str, Any]:
+    """After the steps: the Hugging Face export (the last, model-only save), every parameter's full
+    value (rank 0), which parameters hold optimizer state, and which require gradients."""
+
+    def result() -> dict[str, Any] | None:
+        from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+        steps = trainer.job_config.training.steps
+        trainer.checkpointer.save(steps, last_step=True)
+        trainer.checkpointer.wait()
+        full = {k: v.full_tensor() for k, v in trainer.checkpointer._model_state().items()}
+        names = {id(p): plain_fqn(n) for n, p in trainer.model.named_parameters()}
+        with_state = sorted(names[id(p)] for p, s in trainer.optimizer.state.items() if s)
+        trainable = sorted(plain_fqn(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
+        if trainer.rank != 0:
+            return None
+        return {"weights": {k: v.detach().tolist() for k, v in full.items()}, "with_state": with_state,
+                "trainable": trainable}
+
+    return {"result": result}
+
+
+#: Relative tolerance of the sharded float8 run against torchao's single-process model: the scales
+#: are the same, so only float32 summation order differs (measured 1e-7 .. 7e-7).
+F8_TOL = 1e-5
+
+#: The LoRA of the tests: rank 4 on upstream's recipe's targets (``wkv``: ``wk`` and ``wv``).
+LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"])
+
+
+def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
+                        rows: int = LOCAL_BATCH, **debug: Any) -> None:
+    """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
+    on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
+    The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
+    axis is sharded), so only float32's summation order differs."""
+    if backend == "full_dtensor":
+        from parity_helpers import skip_full_dtensor_on_old_torch
+
+        skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
+    cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))],
+                     parallelism=parallelism, **debug)
+    outs, trace = run_trainer(cfg)
+    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip, rows=rows)
+    got = outs[0]["records"]
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
+        assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)
+        assert norm == pytest.approx(want_norm, rel=F8_TOL), (cell, step, got, ref)
+    want = dict(ref_norms)
+    assert set(trace.grad_norms) == set(want)
+    worst = max(abs(v - want[k]) / want[k] for k, v in trace.grad_norms.items())
+    print(f"\n{cell}: loss {got[-1][0]:.6f} vs torchao {ref[-1][0]:.6f}; per-tensor grad norms max rel {worst:.1e}")
+    for name, value in trace.grad_norms.items():
+        assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
+
+
+def check_lora(tmp_path: Any, backend: str) -> None:
+    """LoRA (rank 4 on wq, wk, wv, wo) at FSDP 2 x TP 2, 3 steps, then the Hugging Face export: the
+    frozen base is bit-identical to its initial weights, every adapter moved, only the adapters
+    hold optimizer state, and transformers' logits of the merged export equal the LoRA model's."""
+    from parity_helpers import skip_full_dtensor_on_old_torch
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_spmd.reference import initial_weights
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+
+    if backend == "full_dtensor":
+        skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
+    cfg = float8_job(backend, [LORA])
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
+    cfg.checkpoint.last_save_in_hf, cfg.checkpoint.export_dtype = True, "float32"
+    cfg.validate()
+    outs, _ = run_trainer(cfg, probe="float8_helpers:lora_probe")
+    probe = outs[0]["probe"]
+    weights = {k: torch.tensor(v) for k, v in probe["weights"].items()}
+    adapters = sorted(k for k in weights if k.endswith(("lora_a", "lora_b")))
+    assert len(adapters) == 2 * 4 * 2  # 2 blocks x (wq, wk, wv, wo) x (a, b)
+    assert probe["trainable"] == probe["with_state"] == adapters
+    start = initial_weights("llama3", "tiny", cfg.debug.seed, 320)
+    for name, value in start.items():
+        if name in weights:
+            assert torch.equal(weights[name], value), f"the frozen {name} moved"
+    for name in adapters:
+        assert not torch.equal(weights[name], torch.zeros_like(weights[name])) and weights[name].abs().sum() > 0
+    # the LoRA model (unmerged, one process) against transformers on the merged export
+    from torchtitan_spmd.models import get_model_spec
+
+    ours = get_model_spec("llama3").build_initialized("tiny", seed=0)
+    convert_model(ours, build_converters([LORA]))
+    ours.load_state_dict(weights)
+    export = next(p.parent for p in tmp_path.rglob("config.json"))
+    hf = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = get_model_spec("llama3").build_initialized("tiny", seed=0)
+    base.load_state_dict({k: v for k, v in weights.items() if k in start})
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        gap, adapters_gap = (theirs - ours(tokens)).abs().max().item(), (theirs - base(tokens)).abs().max().item()
+    print(f"\n{backend}: merged export vs the LoRA model: max |logit| gap {gap:.1e}; without the adapters "
+          f"{adapters_gap:.1e}")
+    assert gap < 1e-4 < 1e-2 < adapters_gap, (gap, adapters_gap)

@@ -1,0 +1,460 @@
+"""Technique: quantized training of the linears, upstream's quantization converters, through torchao.
+
+``Float8LinearConverter`` swaps the model's ``nn.Linear`` modules (those the filter keeps) for
+:class:`Float8Linear`, a subclass of torchao's own ``Float8Linear``: torchao casts every operand
+of the three matmuls of a linear (output, input gradient, weight gradient) to float8 with dynamic
+scales of the recipe's granularity (``rowwise``: one scale per row of each operand along the
+contracted dimension) and runs them as scaled matmuls (emulated in high precision with
+``emulate=True``, the CPU's and tests' path).
+
+**Under tensor parallelism** a scale must be the one the unsharded operand would get. Where
+the scaled axis of an operand is sharded over ``tp`` the local amax is only a part of it:
+
+- a column-wise linear (``wq``/``wk``/``wv``/``w1``/``w3``, the output features sharded): the
+  output gradient's rows and the weight's rows for the input gradient are scaled along the
+  sharded output features;
+- a row-wise linear (``wo``/``w2``, the contracted input features sharded): the input's rows
+  and the weight's rows are scaled along the sharded input features, in the forward.
+
+With DTensor parameters and activations (``full_dtensor``) DTensor computes those amaxes over the
+mesh itself (torchao's float8 is DTensor-aware). On local shards (``default``'s module bodies,
+``spmd_types``) :class:`_ShardedFloat8Matmul` runs torchao's casts and scaled matmuls operand by
+operand, exactly as torchao's ``matmul_with_hp_or_float8_args`` does, and reduces each of those
+amaxes with the ``max`` over ``tp`` that the representation provides (typed under ``spmd_types``).
+That one piece is restated here because torchao offers no hook to reduce one operand's axiswise
+amax over a group (its ``reduce_amax`` is per cast call, which its linear does not expose).
+
+Data parallelism shards tokens: each rank's matmuls scale its own tokens, as in upstream's FSDP
+(the weight gradient's per-column scales are those of the rank's batch).
+
+``Float8GroupedExpertsConverter``, ``MXFP8LinearConverter``, ``MXFP8GroupedExpertsConverter`` and
+``NVFP4LinearConverter`` are accepted by name; each needs a GPU this library cannot emulate
+(SM89+ for float8 grouped GEMMs, SM100+ for MXFP8 and NVFP4): without it, one line at setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from torchtitan_spmd.config.converters import (
+    Float8GroupedExpertsConverterConfig,
+    Float8LinearConverterConfig,
+    MXFP8GroupedExpertsConverterConfig,
+    MXFP8LinearConverterConfig,
+    NVFP4LinearConverterConfig,
+    QuantizationConverterConfig,
+)
+
+__all__ = [
+    "FLOAT8_EXTRA",
+    "Float8GroupedExpertsConverter",
+    "Float8Linear",
+    "Float8LinearConverter",
+    "MXFP8GroupedExpertsConverter",
+    "MXFP8LinearConverter",
+    "NVFP4LinearConverter",
+    "QuantizationConverter",
+    "bind_float8_shards",
+    "has_cuda_capability",
+    "import_torchao_float8",
+]
+
+#: The extra that installs torchao (the one spelling every setup error names).
+FLOAT8_EXTRA = 'pip install -e ".[float8]"'
+
+#: Upstream's module names (b5bcd76's ``lm_head``, the config tree's fused ``wkv``) -> this library's.
+UPSTREAM_MODULE_NAMES: dict[str, tuple[str, ...]] = {"lm_head": ("output",), "wkv": ("wk", "wv")}
+
+
+def import_torchao_float8(what: str) -> Any:
+    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra."""
+    try:
+        import torchao.float8 as float8
+    except ImportError:
+        raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from None
+    return float8
+
+
+def has_cuda_capability(major: int, minor: int) -> bool:
+    """Whether this process sees a CUDA GPU of compute capability at least ``major.minor``."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (major, minor)
+
+
+#: Off while a dry run builds the converters (:func:`hardware_checks_off`): it sizes a GPU job on a
+#: CPU, as it does async TP; a real run keeps every check.
+_HARDWARE_CHECKS = [True]
+
+
+@contextlib.contextmanager
+def hardware_checks_off() -> Iterator[None]:
+    """Within it, converters skip their GPU-capability checks (the dry run)."""
+    _HARDWARE_CHECKS.append(False)
+    try:
+        yield
+    finally:
+        _HARDWARE_CHECKS.pop()
+
+
+def _needs_sm(converter: str, major: int, minor: int, what: str) -> None:
+    if _HARDWARE_CHECKS[-1] and not has_cuda_capability(major, minor):
+        raise ValueError(f"{converter} needs an NVIDIA GPU of compute capability {major}.{minor} or newer "
+                         f"(SM{major}{minor}+) for {what}; this process has "
+                         f"{_device_description()}.")
+
+
+def _device_description() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} (SM{major}{minor})"
+
+
+def expand_upstream_names(names: list[str]) -> list[str]:
+    """``names`` with upstream's spellings of modules (``lm_head``, ``wkv``) replaced by this library's."""
+    out: list[str] = []
+    for name in names:
+        out.extend(UPSTREAM_MODULE_NAMES.get(name, (name,)))
+    return out
+
+
+class QuantizationConverter:
+    """Upstream's ``QuantizationConverter``: the base of the quantized-training converters."""
+
+    Config: ClassVar[type[QuantizationConverterConfig]] = QuantizationConverterConfig
+
+    def __init__(self, config: QuantizationConverterConfig) -> None:
+        self.config = config
+
+    def convert(self, model: nn.Module) -> list[str]:
+        """Convert ``model`` in place (built, possibly on the meta device); the names converted."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- float8 linears
+def _float8_linear_class() -> type[nn.Module]:
+    float8 = import_torchao_float8("Float8LinearConverter")
+    from torchao.float8.float8_linear import Float8Linear as TorchAOFloat8Linear
+
+    global Float8Linear
+    if Float8Linear is not None:
+        return Float8Linear
+
+    class _Float8Linear(TorchAOFloat8Linear):  # type: ignore[misc, valid-type]
+        """torchao's ``Float8Linear``, able to compute on tensor-parallel local shards.
+
+        ``tp_weight_shard_dim`` (0: column-wise, 1: row-wise, None: not sharded) and
+        ``amax_reduce`` (the ``max`` over ``tp``) are set by :func:`bind_float8_shards` after
+        the plan sharded the weight. DTensor weights (``full_dtensor``) and unsharded ones run
+        torchao's own forward as it is.
+        """
+
+        tp_weight_shard_dim: int | None = None
+        amax_reduce: Callable[..., torch.Tensor] | None = None
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(self.weight, DTensor):
+                return _dtensor_forward(self, input)
+            if self.tp_weight_shard_dim is None:
+                return super().forward(input)
+            out = sharded_float8_matmul(input, self.weight.t(), self.linear_mm_config, self.config,
+                                        1 - self.tp_weight_shard_dim, self.amax_reduce)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out
+
+    _Float8Linear.__name__ = _Float8Linear.__qualname__ = "Float8Linear"
+    _Float8Linear.__module__ = __name__
+    del float8
+    Float8Linear = _Float8Linear
+    return Float8Linear
+
+
+#: The float8 linear class (torchao's subclass); None until first use or without torchao.
+Float8Linear: Any = None
+
+
+def _dtensor_forward(module: Any, input: Any) -> Any:
+    """A float8 linear on DTensors (``full_dtensor``): on their local shards, as ``local_map`` would,
+    through :class:`_ShardedFloat8Matmul`. torchao's own DTensor path fails on an input sharded on
+    the batch and the features at once (rowwise scales of a row-wise linear under FSDP x TP:
+    "shape '[16, 1]' is invalid", torchao 0.18.0), so the DTensor is unwrapped here; the output
+    has the placements the plan declares (the features sharded, or a pending sum over ``tp``)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from torchtitan_spmd.distributed.representations._dtensor import local_grad_placements
+
+    weight, mesh = module.weight, module.weight.device_mesh
+    if not isinstance(input, DTensor):
+        raise RuntimeError("Float8Linear: a DTensor weight needs a DTensor input (full_dtensor).")
+    names = mesh.mesh_dim_names or ()
+    sharded = module.tp_weight_shard_dim
+    tp = names.index("tp") if sharded is not None and "tp" in names else None
+    out_placements = tuple(
+        (Shard(input.dim() - 1) if sharded == 0 else Partial()) if i == tp else p
+        for i, p in enumerate(input.placements))
+    x = input.to_local(grad_placements=local_grad_placements(input.placements, out_placements))
+    w = weight.to_local(grad_placements=local_grad_placements(weight.placements, out_placements))
+    out = sharded_float8_matmul(x, w.t(), module.linear_mm_config, module.config,
+                                None if tp is None else 1 - sharded, module.amax_reduce)
+    out = DTensor.from_local(out, mesh, out_placements, run_check=False)
+    if module.bias is not None:
+        out = out + module.bias.to(out.dtype)
+    return out
+
+
+def _scale(t: torch.Tensor, cast_config: Any, axis: int, sharded_dim: int | None,
+           reduce: Callable[..., torch.Tensor] | None, round_pow2: bool) -> torch.Tensor | None:
+    """torchao's dynamic scale of ``t`` (``tensor_to_scale``) for ``cast_config`` along ``axis``, its
+    amax reduced with ``reduce`` (the max over tp) where the scale spans ``sharded_dim`` (the dim
+    sharded over tp); None where the recipe keeps the operand in high precision."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+    if cast_config.scaling_type is ScalingType.DISABLED:
+        return None
+    granularity = cast_config.scaling_granularity
+    axiswise_dim = get_maybe_axiswise_dim(axis, granularity)
+    def local_amax() -> torch.Tensor:
+        return tensor_to_amax(t, False, None, granularity, axiswise_dim)
+
+    with torch.no_grad():
+        spans_shard = sharded_dim is not None and (granularity is ScalingGranularity.TENSORWISE
+                                                   or axiswise_dim % t.dim() == sharded_dim)
+        if not spans_shard:
+            amax = local_amax()
+        else:
+            if reduce is None:
+                raise RuntimeError("Float8Linear: a scale spans a dim sharded over tp, and no amax reduction "
+                                   "is bound (bind_float8_shards was not called).")
+            # the local part of the amax: a representation that types it says how (spmd_types: V@tp)
+            typed = getattr(reduce, "local_amax", None)
+            amax = typed(t, local_amax) if typed is not None else local_amax()
+            amax = reduce(amax, axiswise_dim % t.dim() if axiswise_dim is not None else None)
+        return amax_to_scale(amax, cast_config.target_dtype, round_scales_to_power_of_2=round_pow2)
+
+
+def _to_float8(t: torch.Tensor, scale: torch.Tensor | None, cast_config: Any, mm_config: Any, role: Any,
+               axis: int) -> torch.Tensor:
+    """``t`` cast to float8 with ``scale`` (torchao's ``hp_tensor_and_scale_to_float8``); ``t`` itself
+    where the recipe keeps it in high precision (``scale`` None)."""
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    if scale is None:
+        return t
+    axiswise_dim = get_maybe_axiswise_dim(axis, cast_config.scaling_granularity)
+    return hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, mm_config, role, axiswise_dim)
+
+
+def _cast(t: torch.Tensor, cast_config: Any, mm_config: Any, role: Any, axis: int, sharded_dim: int | None,
+          reduce: Callable[..., torch.Tensor] | None, round_pow2: bool) -> torch.Tensor:
+    """torchao's dynamic cast of ``t`` to float8 (``hp_tensor_to_float8_dynamic``), its amax
+    reduced with ``reduce`` where the scale spans ``sharded_dim`` (the dim sharded over tp)."""
+    scale = _scale(t, cast_config, axis, sharded_dim, reduce, round_pow2)
+    return _to_float8(t, scale, cast_config, mm_config, role, axis)
+
+
+def sharded_float8_matmul(input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any,
+                          wt_shard_dim: int | None,
+                          reduce: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """``input_hp @ weight_hp_t`` in float8 on tensor-parallel local shards. The forward's two
+    scales are computed here, outside the autograd Function, so that under ``spmd_types`` the type
+    checker sees each amax and its reduction over tp (typed V -> I): a scale left varying over tp
+    multiplies the row-wise matmul's pending sum, which the checker rejects (P x V)."""
+    pow2 = config.round_scales_to_power_of_2
+    input_shard = input_hp.dim() - 1 if wt_shard_dim == 0 else None  # row-wise: the input's features
+    scale_x = _scale(input_hp, config.cast_config_input, -1, input_shard, reduce, pow2)
+    scale_w = _scale(weight_hp_t, config.cast_config_weight, 0, wt_shard_dim, reduce, pow2)
+    return _ShardedFloat8Matmul.apply(input_hp, weight_hp_t, scale_x, scale_w, mm_config, config, wt_shard_dim,
+                                      reduce)
+
+
+class _ShardedFloat8Matmul(torch.autograd.Function):
+    """``input @ weight_t`` on tensor-parallel local shards, operand by operand as torchao's
+    ``matmul_with_hp_or_float8_args`` (same casts, same axes, same scaled matmuls), with the
+    amaxes whose axis is sharded over tp reduced (see the module docstring).
+
+    ``wt_shard_dim``: the dim of ``weight_t`` (``[in, out]``) sharded over tp: 1 for a
+    column-wise linear (the outputs), 0 for a row-wise one (the contracted inputs), None: no
+    tensor parallelism (nothing to reduce).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, scale_x: torch.Tensor | None,
+                scale_w: torch.Tensor | None, mm_config: Any, config: Any, wt_shard_dim: int | None,
+                reduce: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        ctx.save_for_backward(input_hp, weight_hp_t)
+        ctx.mm_config, ctx.config, ctx.wt_shard_dim, ctx.reduce = mm_config, config, wt_shard_dim, reduce
+        c = config
+        x8 = _to_float8(input_hp, scale_x, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1)
+        w8 = _to_float8(weight_hp_t, scale_w, c.cast_config_weight, mm_config, GemmInputRole.WEIGHT, 0)
+        shape = x8.shape
+        out = torch.mm(x8.reshape(-1, shape[-1]), w8)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def spmd_typecheck(*, input_hp: Any, weight_hp_t: Any, scale_x: Any, scale_w: Any) -> Any:
+        """The forward's types (``spmd_types``): a matmul multilinear in the input, the weight and
+        their scales (the dequantisation multiplies the product by both). A row-wise linear's
+        product is a pending sum over tp, so its scales must be the same on every tp rank."""
+        from spmd_types import rules
+
+        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
+        if x is None or scale_x is None or scale_w is None:
+            raise TypeError("Float8Linear under spmd_types type checking: a 2-D or 3-D input with float8 "
+                            "scales on both forward operands.")
+        return rules.einsum(f"{x},kn,{x[:-1]}z,zn->{x[:-1]}n", input_hp, weight_hp_t, scale_x, scale_w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        input_hp, weight_hp_t = ctx.saved_tensors
+        c, mm, reduce, pow2 = ctx.config, ctx.mm_config, ctx.reduce, ctx.config.round_scales_to_power_of_2
+        wt_shard = ctx.wt_shard_dim
+        go_shape = grad_output.shape
+        go = grad_output.reshape(-1, go_shape[-1])
+        go_shard = 1 if wt_shard == 1 else None  # column-wise: the output gradient's features
+        in_shard = 1 if wt_shard == 0 else None  # row-wise: the input's features
+        go8 = _cast(go, c.cast_config_grad_output, mm, GemmInputRole.GRAD_OUTPUT, -1, go_shard, reduce, pow2)
+        w8 = _cast(weight_hp_t, c.cast_config_weight_for_grad_input, mm, GemmInputRole.WEIGHT, -1, wt_shard,
+                   reduce, pow2)
+        grad_input = torch.mm(go8, w8.t()).reshape(*go_shape[:-1], weight_hp_t.shape[0])
+        x = input_hp.reshape(-1, input_hp.shape[-1])
+        go8 = _cast(go, c.cast_config_grad_output_for_grad_weight, mm, GemmInputRole.GRAD_OUTPUT, 0, go_shard,
+                    reduce, pow2)
+        x8 = _cast(x, c.cast_config_input_for_grad_weight, mm, GemmInputRole.INPUT, 0, in_shard, reduce, pow2)
+        grad_weight = torch.mm(go8.t(), x8)
+        return grad_input, grad_weight.t(), None, None, None, None, None, None
+
+
+class Float8LinearConverter(QuantizationConverter):
+    """Upstream's ``Float8LinearConverter``: the linears to torchao's float8 training.
+
+    Checks at construction, each a one-line error: torchao installed (the ``float8`` extra),
+    and a GPU of compute capability 8.9+ unless ``emulate=True`` in eager mode.
+    Unlike upstream b5bcd76, ``emulate=True`` keeps the recipe's scaling (upstream switches to
+    torchao's tensorwise default there): the emulated run is the recipe's numerics.
+    """
+
+    Config: ClassVar[type[Float8LinearConverterConfig]] = Float8LinearConverterConfig
+
+    def __init__(self, config: Float8LinearConverterConfig) -> None:
+        super().__init__(config)
+        float8 = import_torchao_float8("Float8LinearConverter (float8 training)")
+        if config.emulate and config.model_compile_enabled:
+            raise ValueError("Float8LinearConverter.Config: emulate=True is for eager mode; it does not run with "
+                             "model_compile_enabled=True (compile.enable with 'model' in compile.components).")
+        if not config.emulate:
+            _needs_sm("Float8LinearConverter", 8, 9, "float8 matmuls (emulate=True runs anywhere, in eager mode)")
+        self.torchao_config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(config.recipe_name),
+                                                  emulate=config.emulate)
+        self.filter_fqns = expand_upstream_names(list(config.filter_fqns))
+
+    def keeps(self, fqn: str, module: nn.Module) -> bool:
+        """Whether the linear ``fqn`` is converted: every dim divisible by 16, no filter name in its FQN."""
+        if type(module) is not nn.Linear:
+            return False
+        if module.in_features % 16 or module.out_features % 16:
+            return False
+        return not any(f in fqn for f in self.filter_fqns)
+
+    def convert(self, model: nn.Module) -> list[str]:
+        cls = _float8_linear_class()
+        converted = []
+        for fqn, module in list(model.named_modules()):
+            if not self.keeps(fqn, module):
+                continue
+            new = cls.from_float(module, config=self.torchao_config)
+            _set_submodule(model, fqn, new)
+            converted.append(fqn)
+        return converted
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, name, new)
+
+
+def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
+                       amax_reduce: Callable[..., torch.Tensor] | None) -> int:
+    """Tell each float8 linear how the plan sharded its weight over ``tp`` (from ``state_layouts``,
+    the plan's layouts by name) and the ``max`` over ``tp`` to reduce its scales with (None: no
+    tensor parallelism); the number of float8 linears whose weight is sharded over ``tp``."""
+    if Float8Linear is None:
+        return 0
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+    bound = 0
+    for fqn, module in model.named_modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        state = state_layouts.get(f"{plain_fqn(fqn)}.weight")
+        dim = state.layout.shard_dims().get("tp") if state is not None and amax_reduce is not None else None
+        module.tp_weight_shard_dim = dim
+        module.amax_reduce = amax_reduce if dim is not None else None
+        bound += dim is not None
+    return bound
+
+
+# ----------------------------------------------------------------------------- needing newer GPUs
+class Float8GroupedExpertsConverter(QuantizationConverter):
+    """Upstream's ``Float8GroupedExpertsConverter`` (float8 grouped GEMMs of the MoE experts): SM89+."""
+
+    Config: ClassVar[type[Float8GroupedExpertsConverterConfig]] = Float8GroupedExpertsConverterConfig
+
+    def __init__(self, config: Float8GroupedExpertsConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("Float8GroupedExpertsConverter (float8 MoE training)")
+        _needs_sm("Float8GroupedExpertsConverter", 8, 9, "float8 grouped GEMMs (not emulated)")
+        raise ValueError("Float8GroupedExpertsConverter: float8 grouped GEMMs of the experts are not "
+                                  "built in this library yet (the dense linears are: Float8LinearConverter).")
+
+
+class MXFP8LinearConverter(QuantizationConverter):
+    """Upstream's ``MXFP8LinearConverter``: SM100+."""
+
+    Config: ClassVar[type[MXFP8LinearConverterConfig]] = MXFP8LinearConverterConfig
+
+    def __init__(self, config: MXFP8LinearConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("MXFP8LinearConverter (MXFP8 training)")
+        _needs_sm("MXFP8LinearConverter", 10, 0, "MXFP8 matmuls")
+        raise ValueError("MXFP8LinearConverter: MXFP8 training is not built in this library yet.")
+
+
+class MXFP8GroupedExpertsConverter(QuantizationConverter):
+    """Upstream's ``MXFP8GroupedExpertsConverter``: SM100+."""
+
+    Config: ClassVar[type[MXFP8GroupedExpertsConverterConfig]] = MXFP8GroupedExpertsConverterConfig
+
+    def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
+        _needs_sm("MXFP8GroupedExpertsConverter", 10, 0, "MXFP8 grouped GEMMs")
+        raise ValueError("MXFP8GroupedExpertsConverter: MXFP8 grouped GEMMs are not built in this "
+                                  "library yet.")
+
+
+class NVFP4LinearConverter(QuantizationConverter):
+    """Upstream's ``NVFP4LinearConverter`` (b5bcd76): SM100+."""
+
+    Config: ClassVar[type[NVFP4LinearConverterConfig]] = NVFP4LinearConverterConfig
+
+    def __init__(self, config: NVFP4LinearConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("NVFP4LinearConverter (NVFP4 training)")
+        _needs_sm("NVFP4LinearConverter", 10, 0, "NVFP4 matmuls")
+        raise ValueError("NVFP4LinearConverter: NVFP4 training is not built in this library yet.")
