@@ -136,7 +136,7 @@ def open_inside(folder: str | os.PathLike[str], name: Any) -> IO[bytes]:
     problem = name_problem(name)
     if problem is not None:
         shown = repr(name) if isinstance(name, str) else f"a {type(name).__name__}"
-        raise UnsafeFile(folder, "", f"was asked for {shown}, which {problem}")
+        raise UnsafeFile(folder, "", f"is asked for {shown}, a name that {problem}")
     dir_fd = _open_folder(folder)
     try:
         try:

@@ -95,20 +95,21 @@ def job(name: str, layout: str, backend: str, src: Path, dump: Path) -> JobConfi
 def _worker_recording_reads(rank: int, world: int, configs: list[JobConfig]) -> list[dict[str, Any]]:
     """``hf_helpers._worker``, also recording the Hugging Face tensors this rank's DCP read
     asked for (``hf_reads``: the names in its read plan; one load per config, in order)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torchtitan_spmd.checkpoint.hf import safe_reader_class
 
+    reader = safe_reader_class()  # DCP's HuggingFaceStorageReader, every file through open_inside
     reads: list[list[str]] = []
-    original = HuggingFaceStorageReader.read_data
+    original = reader.read_data
 
     def read_data(self: Any, plan: Any, planner: Any) -> Any:
         reads.append(sorted({item.storage_index.fqn for item in plan.items}))
         return original(self, plan, planner)
 
-    HuggingFaceStorageReader.read_data = read_data  # this forked rank's copy only
+    reader.read_data = read_data  # this forked rank's copy only
     try:
         out = _worker(rank, world, configs)
     finally:
-        HuggingFaceStorageReader.read_data = original
+        reader.read_data = original
     assert len(reads) == len(out), f"rank {rank}: {len(reads)} Hugging Face reads for {len(out)} jobs"
     for result, names in zip(out, reads, strict=True):
         result["hf_reads"] = names

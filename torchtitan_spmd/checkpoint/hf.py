@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MissingExtraError",
     "load_hf",
+    "safe_reader_class",
     "save_hf",
 ]
 
@@ -260,7 +261,8 @@ def _check_folder(folder: str, hf_state: Mapping[str, Any], adapter: StateDictAd
                          f"{adapter.model_type} model lacks ({len(extra)} such tensors).")
 
 
-def _safe_reader_class() -> type:
+@functools.cache
+def safe_reader_class() -> type:
     """:class:`~torch.distributed.checkpoint.HuggingFaceStorageReader` opening every file through
     :func:`~torchtitan_spmd._safe_files.open_inside` (a regular file of the folder, no link
     followed: a FIFO named ``*.safetensors`` is refused, not waited on), and checking the
@@ -391,7 +393,7 @@ def load_hf(model_state: dict[str, Any], folder: str, adapter: StateDictAdapter)
             f"has no {_SUFFIX} file (contents: {list_inside(folder)[:8]})")
         raise ValueError(f"checkpoint.initial_load_path={folder!r} is not a Hugging Face checkpoint: it {what}.")
     hf_state, after, names = _hf_state(model_state, adapter, fill=False)
-    reader_class = _safe_reader_class()
+    reader_class = safe_reader_class()
     _check_folder(folder, hf_state, adapter, reader_class(folder).read_metadata().state_dict_metadata, names)
     # the safetensors headers are JSON (no pickle); the planner reads any non-tensor item with
     # torch.load(weights_only=True) (an HF folder holds none)
