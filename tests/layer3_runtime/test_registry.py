@@ -23,18 +23,30 @@ from torchtitan_spmd.models import (
 #: family -> (model class name, config_registry functions)
 JOBS = {
     "llama3": ("Transformer", ("llama3_405b", "llama3_70b", "llama3_8b", "llama3_debugmodel",
-                               "llama3_debugmodel_flex_attn", "llama3_tiny")),
+                               "llama3_debugmodel_flex_attn", "llama3_tiny",
+                               # upstream's converter recipes (issue 42)
+                               "llama3_8b_first_85_pct_layers_nvfp4", "llama3_8b_mxfp8",
+                               "llama3_debugmodel_first_85_pct_layers_nvfp4", "llama3_debugmodel_float8",
+                               "llama3_debugmodel_float8_emulate_lora", "llama3_debugmodel_nvfp4")),
     "qwen3": ("Qwen3Model", ("qwen3_0_6b", "qwen3_14b", "qwen3_1_7b", "qwen3_30b_a3b", "qwen3_32b",
-                             "qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny")),
+                             "qwen3_debugmodel", "qwen3_moe_debug", "qwen3_moe_tiny", "qwen3_tiny",
+                             "qwen3_debugmodel_first_85_pct_layers_nvfp4", "qwen3_debugmodel_nvfp4")),
     "deepseek_v3": ("DeepSeekV3Model", ("deepseek_v3_16b", "deepseek_v3_671b", "deepseek_v3_debugmodel",
-                                        "deepseek_v3_tiny")),
+                                        "deepseek_v3_tiny", "deepseek_v3_671b_float8",
+                                        "deepseek_v3_debugmodel_mxfp8")),
 }
 
 #: jobs whose flavour is not the job's name after the family (upstream's names)
 JOB_FLAVORS = {"qwen3_moe_debug": "debugmodel_moe", "llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B",
                "qwen3_0_6b": "0.6B", "qwen3_1_7b": "1.7B", "qwen3_14b": "14B", "qwen3_32b": "32B",
                "qwen3_30b_a3b": "30B-A3B", "deepseek_v3_16b": "16B", "deepseek_v3_671b": "671B",
-               "deepseek_v3_debugmodel": "debugmodel", "deepseek_v3_tiny": "tiny"}
+               "deepseek_v3_debugmodel": "debugmodel", "deepseek_v3_tiny": "tiny",
+               # a converter recipe's flavour is its base recipe's
+               "llama3_8b_first_85_pct_layers_nvfp4": "8B", "llama3_8b_mxfp8": "8B",
+               "llama3_debugmodel_first_85_pct_layers_nvfp4": "debugmodel", "llama3_debugmodel_float8": "debugmodel",
+               "llama3_debugmodel_float8_emulate_lora": "debugmodel", "llama3_debugmodel_nvfp4": "debugmodel",
+               "qwen3_debugmodel_first_85_pct_layers_nvfp4": "debugmodel", "qwen3_debugmodel_nvfp4": "debugmodel",
+               "deepseek_v3_671b_float8": "671B", "deepseek_v3_debugmodel_mxfp8": "debugmodel"}
 
 
 def test_builtin_families() -> None:
