@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -156,11 +157,49 @@ _OVER_BUDGET: list[tuple[str, float]] = []
 
 
 def _cpu_seconds() -> float:
+    """This process's CPU seconds, the children it reaped, and its warm worlds' ranks (alive, so
+    not reaped: they report theirs after each launch)."""
     import resource
+    import sys
 
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    launcher = sys.modules.get("torchtitan_spmd.launcher")  # (not loaded: no warm world either)
+    warm = launcher.warm_cpu_seconds() if launcher is not None else 0.0
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + warm
+
+
+#: ``0`` runs every forked launch in fresh processes (torchtitan_spmd.launcher.run_forked's
+#: default), for a test run that must not share ranks between tests; otherwise launches reuse
+#: warm worlds (``launcher.warm_worlds``), except in tests marked ``fresh_world``.
+WARM_WORLDS_ENV = "TORCHTITAN_SPMD_WARM_WORLDS"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_worlds() -> Iterator[None]:
+    try:
+        from torchtitan_spmd.launcher import warm_worlds
+    except ImportError:  # the stack check's lower prefixes block the launcher's layer
+        warm_worlds = None
+    if warm_worlds is None or os.environ.get(WARM_WORLDS_ENV, "1") == "0":
+        yield
+        return
+    # Each warm rank imports what every trainer launch needs, once (debug.deterministic imports
+    # torch._inductor: seconds per rank otherwise).
+    with warm_worlds(preload=("torch._inductor", "torchtitan_spmd.train")):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_world_when_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    marker = request.node.get_closest_marker("fresh_world")
+    if marker is None:
+        yield
+        return
+    from torchtitan_spmd.launcher import warm_worlds
+
+    with warm_worlds(False):
+        yield
 
 
 def slow_reason(item: pytest.Item) -> str | None:

@@ -89,7 +89,6 @@ from torchtitan_spmd.techniques.expert_parallel import (
 )
 from torchtitan_spmd.techniques.fsdp import (
     apply_fsdp,
-    clear_dtensor_sharding_caches,
     set_gradient_sync,
 )
 from torchtitan_spmd.techniques.grad_norm import clip_grad_norm_
@@ -428,8 +427,9 @@ def compose_model(job_config: JobConfig, rep: TensorRepresentation, model_spec: 
     cfg = job_config
     # DTensor's sharding caches key on mesh equality: an equal mesh of an earlier trainer in this
     # process (a notebook, a fake-process-group setup before a fork) must not come back from them
-    # on this trainer's parameters, with process groups that no longer exist.
-    clear_dtensor_sharding_caches()
+    # on this trainer's parameters. ParallelDims.build_mesh cleared them unless they can refer
+    # only to the very meshes this trainer uses (distributed/mesh_reuse.py).
+    parallel_dims.build_mesh()
     with torch.device("meta"):
         model = model_spec.build(model_config)
     # float8, LoRA: before every parallelism (a dry run sizes a GPU job: no GPU checks)

@@ -17,7 +17,6 @@ parameters) and checks that ranks holding the same tensor agree.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -60,14 +59,16 @@ def _expert_biases(model: Any) -> dict[str, list[float]]:
     return out
 
 
-@functools.cache
 def install() -> None:
-    """Wrap ``Trainer.step`` and ``torchtitan_spmd.train.clip_grad_norm_`` (once per process)."""
+    """Wrap ``Trainer.step`` and ``torchtitan_spmd.train.clip_grad_norm_`` (once: a no-op when they
+    are wrapped already, e.g. in a warm rank forked after the launcher's process installed it)."""
     import torch
 
     import torchtitan_spmd.train as train_module
     from torchtitan_spmd.techniques.grad_norm import parameter_grad_norms
 
+    if getattr(train_module.Trainer.step, "_grad_probe", False):
+        return
     step_fn, clip_fn = train_module.Trainer.step, train_module.clip_grad_norm_
 
     def step(self: Any, step: int) -> Any:
@@ -98,19 +99,29 @@ def install() -> None:
             _TRACES[-1].grad_norms = {n: v / coef for n, v in norms.items()}
         return total
 
+    step._grad_probe = True  # type: ignore[attr-defined]
     train_module.Trainer.step = step  # type: ignore[method-assign]
     train_module.clip_grad_norm_ = clip  # type: ignore[assignment]
 
 
-def probed(worker: Callable[..., Any]) -> Callable[..., tuple[Any, list[TrainerTrace]]]:
-    """``worker`` returning also the traces of the trainers it ran (call :func:`install` first)."""
+class _Probed:
+    """A worker that returns also the traces of the trainers it ran; it pickles (by the worker's
+    name) when the worker does, so a warm world's ranks can run it (torchtitan_spmd.launcher)."""
 
-    def run(*args: Any, **kwargs: Any) -> tuple[Any, list[TrainerTrace]]:
+    def __init__(self, worker: Callable[..., Any]) -> None:
+        self.worker = worker
+        self.__qualname__ = f"probed({getattr(worker, '__qualname__', worker)})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[TrainerTrace]]:
+        install()
         _TRACES.clear()
-        result = worker(*args, **kwargs)
+        result = self.worker(*args, **kwargs)
         return result, list(_TRACES)
 
-    return run
+
+def probed(worker: Callable[..., Any]) -> Callable[..., tuple[Any, list[TrainerTrace]]]:
+    """``worker`` returning also the traces of the trainers it ran (the probe is installed first)."""
+    return _Probed(worker)
 
 
 def merge(per_rank: list[list[TrainerTrace]]) -> list[TrainerTrace]:

@@ -62,7 +62,7 @@ from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat 
 from torchtitan_spmd.config.backends import BackendMeshes, backend
 from torchtitan_spmd.config.surface import check_backend_spelling, get_surface
 
-from . import _mesh_compat
+from . import _mesh_compat, mesh_reuse
 from .layout import SpmdLayout
 
 if TYPE_CHECKING:
@@ -447,6 +447,14 @@ class ParallelDims:
                 f"ParallelDims: world_size is {self.world_size} but the default process "
                 f"group has {dist.get_world_size()} ranks."
             )
+        key = self._reuse_key()
+        built = mesh_reuse.reusable(key)
+        if built is not None:
+            # The previous build's layout on the same world: its very mesh objects and groups,
+            # so DTensor's sharding caches stay valid (distributed/mesh_reuse.py).
+            self._world_mesh, self._meshes, self._groups = built.world_mesh, built.meshes, built.groups
+            mesh_reuse.settle_caches(reused=True)
+            return built.world_mesh
         rank_map = torch.arange(self.world_size, dtype=torch.int)
         world = self._new_mesh(_BASE_AXES, rank_map, root=None)
         self._check_mesh(_BASE_AXES, world)
@@ -460,7 +468,15 @@ class ParallelDims:
         except BaseException:
             self._world_mesh, self._meshes = None, {}
             raise
+        mesh_reuse.remember(key, mesh_reuse.BuiltMeshes(
+            dist.distributed_c10d._get_default_group(), world, self._meshes, self._groups))
+        mesh_reuse.settle_caches(reused=False)  # new mesh objects: nothing cached may refer to them
         return world
+
+    def _reuse_key(self) -> tuple[Any, ...]:
+        """What decides every mesh and group of :meth:`build_mesh` (besides the default group)."""
+        return (*(getattr(self, name) for name in _DEGREES), self.world_size, self.spmd_backend,
+                self.device_type)
 
     def _mesh(self, axes: tuple[str, ...]) -> DeviceMesh:
         """The cached mesh over ``axes`` (in mesh order), created and checked on first use."""

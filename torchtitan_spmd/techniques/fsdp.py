@@ -26,25 +26,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan_spmd.distributed.mesh_reuse import (
+    clear_dtensor_sharding_caches,  # re-exported (its old home)
+)
 from torchtitan_spmd.distributed.plan import ShardingPlan
 from torchtitan_spmd.distributed.representation import FsdpSpec, StateLayout, TensorRepresentation
 
 from .expert_parallel import EXPERT_WEIGHTS, expert_modules
 
 __all__ = ["apply_fsdp", "clear_dtensor_sharding_caches", "dense_shard_dims", "expert_shard_dims", "set_gradient_sync"]
-
-
-def clear_dtensor_sharding_caches() -> None:
-    """Forget DTensor's cached sharding propagations (the Python and the C++ cache).
-
-    They key on mesh *equality*: with a second, equal mesh in the process (another
-    trainer, a benchmark, a notebook) they hand back the first mesh object, and
-    ``fully_shard(dp_mesh_dims=...)`` then fails with "different mesh objects".
-    """
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
 
 
 def expert_shard_dims(model: nn.Module, shard_ranks: int, *, tensor_parallel: bool = False) -> dict[str, int]:
@@ -126,7 +116,8 @@ def _shard(units: Sequence[nn.Module], spec: FsdpSpec, *, param_dtype: torch.dty
                                           cast_forward_inputs=False),
     }
     if spec.dp_mesh_dims is not None:
-        clear_dtensor_sharding_caches()  # an earlier, equal mesh must not leak in
+        # (DTensor's caches cannot hand back an earlier, equal mesh here: ParallelDims.build_mesh
+        # cleared them unless these are the very meshes they were filled with, mesh_reuse.py.)
         kwargs["dp_mesh_dims"] = spec.dp_mesh_dims
     for unit in units:
         fully_shard(unit, **kwargs)

@@ -1,0 +1,149 @@
+"""Layer 2: ``ParallelDims.build_mesh`` reuses the previous build's meshes, and DTensor's sharding
+caches are kept only while they can refer to nothing else (``distributed/mesh_reuse.py``).
+
+Real gloo ranks, each case in fresh forks (a warm world's earlier launches would change what
+the process holds): whether a DTensor op's sharding decision misses the cache is the observable. The unsafe cases
+are run for real: an op on a second, equal mesh over a destroyed and re-created process group
+(which fails if an entry of the first comes back), and fully_shard over a second trainer's
+mesh object.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchtitan_spmd.distributed import ParallelDims  # imported before forking: cheap ranks
+from torchtitan_spmd.launcher import run_forked
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.fresh_world(reason="counts what one process caches")]
+
+
+def _op_on(pd: ParallelDims) -> tuple[float, int]:
+    """A DTensor matmul sharded over ``tp``, gathered (real collectives): its value, and how many
+    of its sharding decisions DTensor's cache missed (0: all came from the cache)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    misses = torch._C._get_DTensor_sharding_propagator_cache_stats()[1]
+    mesh = pd.get_mesh("tp")
+    a = distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(1)])
+    b = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    total = float((a @ b).redistribute(mesh, [Replicate()]).to_local().sum())
+    return total, torch._C._get_DTensor_sharding_propagator_cache_stats()[1] - misses
+
+
+def _pd(tp: int = 2, dp_shard: int = 2, backend: str = "full_dtensor") -> ParallelDims:
+    return ParallelDims(1, dp_shard, 1, tp, 1, 1, 4, spmd_backend=backend, device_type="cpu")
+
+
+def _same_layout_keeps(rank: int, world: int) -> dict[str, object]:
+    first = _pd()
+    first.build_mesh()
+    cold = _op_on(first)
+    second = _pd()
+    second.build_mesh()
+    return {"same_objects": second.world_mesh is first.world_mesh and second.get_mesh("tp") is first.get_mesh("tp"),
+            "cold": cold, "warm": _op_on(second)}
+
+
+def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches() -> None:
+    for out in run_forked(_same_layout_keeps, 4, timeout_s=120):
+        assert out["same_objects"], out
+        (total, cold_misses), (again, warm_misses) = out["cold"], out["warm"]
+        assert total == again == 28.0 * 3, out  # (0+...+7) x 3 columns of ones
+        assert cold_misses > 0 and warm_misses == 0, out
+
+
+def _other_layout_clears(rank: int, world: int) -> dict[str, object]:
+    first = _pd(backend="default")
+    first.build_mesh()
+    _op_on(first)
+    other = _pd(backend="full_dtensor")  # other names and groups, an equal-sized tp axis
+    other.build_mesh()
+    on_switch = _op_on(other)
+    back = _pd(backend="default")  # the previous layout is not kept once another was built
+    back.build_mesh()
+    return {"on_switch": on_switch, "new_objects": back.world_mesh is not first.world_mesh, "on_return": _op_on(back)}
+
+
+def test_another_layout_builds_new_meshes_and_clears_the_caches() -> None:
+    for out in run_forked(_other_layout_clears, 4, timeout_s=120):
+        assert out["new_objects"], out
+        assert out["on_switch"][0] == out["on_return"][0] == 84.0, out
+        assert out["on_switch"][1] > 0 and out["on_return"][1] > 0, out  # missed: cleared
+
+
+def _foreign_mesh_clears(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    first = _pd()
+    first.build_mesh()
+    _op_on(first)
+    mine = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))  # equal to a view of ours
+    x = distribute_tensor(torch.ones(4), mine["tp"], [Replicate()])
+    (x * 2).to_local()
+    again = _pd()
+    again.build_mesh()
+    return {"reused": again.world_mesh is first.world_mesh, "after": _op_on(again)}
+
+
+def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse() -> None:
+    """A mesh of the caller's own (equal to a view of the kept ones) may be in the caches: the
+    reuse hands out the kept meshes but clears them."""
+    for out in run_forked(_foreign_mesh_clears, 4, timeout_s=120):
+        assert out["reused"] and out["after"] == (84.0, out["after"][1]) and out["after"][1] > 0, out
+
+
+def _new_process_group(rank: int, world: int, store_dir: str) -> dict[str, object]:
+    first = _pd()
+    first.build_mesh()
+    total, _ = _op_on(first)
+    dist.destroy_process_group()
+    store = dist.FileStore(f"{store_dir}/again", world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    second = _pd()
+    second.build_mesh()
+    return {"new_objects": second.world_mesh is not first.world_mesh, "total": total, "again": _op_on(second)[0]}
+
+
+def test_a_new_default_process_group_gets_new_meshes_and_working_ops(tmp_path: Path) -> None:
+    """The unsafe case run for real: an entry of the first meshes coming back would route the
+    second op through a destroyed group."""
+    for out in run_forked(_new_process_group, 4, str(tmp_path), timeout_s=120):
+        assert out["new_objects"] and out["total"] == out["again"] == 84.0, out
+
+
+def _two_trainers_fully_shard(rank: int, world: int) -> list[float]:
+    """fully_shard(dp_mesh_dims=...) on full_dtensor parameters, twice in one process: each model on
+    the meshes its ParallelDims handed out (the first trainer's kept, then another layout's, then
+    the first layout again)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from torchtitan_spmd.distributed.representation import get_representation
+
+    out = []
+    for tp in (2, 2, 1, 2):
+        pd = _pd(tp=tp, dp_shard=4 // tp)
+        pd.build_mesh()
+        spec = get_representation("full_dtensor")(pd).fsdp_spec()
+        assert spec is not None and spec.dp_mesh_dims is not None
+        model = nn.Linear(4, 4, bias=False)
+        model.weight = nn.Parameter(distribute_tensor(torch.eye(4), spec.mesh, [Replicate()] * spec.mesh.ndim))
+        fully_shard(model, mesh=spec.mesh, dp_mesh_dims=spec.dp_mesh_dims)
+        y = model(distribute_tensor(torch.ones(2, 4), spec.mesh, [Replicate()] * spec.mesh.ndim))
+        out.append(float((y.full_tensor() if isinstance(y, DTensor) else y).sum()))
+    return out
+
+
+def test_fully_shard_gets_each_trainers_own_mesh_objects() -> None:
+    """"different mesh objects" is what an equal mesh of an earlier layout coming back from the
+    caches makes fully_shard raise (the reason the caches were cleared for every trainer)."""
+    for out in run_forked(_two_trainers_fully_shard, 4, timeout_s=180):
+        assert out == [8.0] * 4, out
