@@ -1,5 +1,9 @@
 """The forked launcher's failure modes: a rank that raises, hangs or exits fails its launch in one
-line naming the rank, within the timeout, with nothing left running; the next launch works."""
+line naming the rank, within the timeout, with nothing left running; the next launch works. Each
+in fresh forks and in a warm world (long-lived ranks that run launch after launch: a failure
+ends the world, the next launch gets a new one). Then what a warm world's launch may rely on:
+the same ranks, the caller's environment and directory, what earlier launches patched put back,
+its output and CPU seconds reported to the caller, and a closure still run (in fresh forks)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_spmd.launcher import WorkerError, run_forked, warm_world_pids
+import torchtitan_spmd.launcher as launcher
+from torchtitan_spmd.launcher import (
+    WorkerError,
+    run_forked,
+    warm_cpu_seconds,
+    warm_world_pids,
+    warm_worlds,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -48,7 +59,13 @@ def _exit_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
-def test_a_rank_that_raises_fails_in_one_line_with_its_traceback() -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_rank_that_raises_fails_in_one_line_with_its_traceback(warm: bool) -> None:
+    with warm_worlds(warm):
+        _test_a_rank_that_raises_fails_in_one_line_with_its_traceback()
+
+
+def _test_a_rank_that_raises_fails_in_one_line_with_its_traceback() -> None:
     with pytest.raises(WorkerError) as err:
         run_forked(_raise_on_rank_1, 2, timeout_s=60)
     first, *rest = str(err.value).splitlines()
@@ -59,7 +76,13 @@ def test_a_rank_that_raises_fails_in_one_line_with_its_traceback() -> None:
     _healthy_launch_after()
 
 
-def test_a_rank_that_hangs_is_killed_at_the_timeout_and_named() -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_rank_that_hangs_is_killed_at_the_timeout_and_named(warm: bool) -> None:
+    with warm_worlds(warm):
+        _test_a_rank_that_hangs_is_killed_at_the_timeout_and_named()
+
+
+def _test_a_rank_that_hangs_is_killed_at_the_timeout_and_named() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         run_forked(_hang_on_rank_1, 2, timeout_s=3)
@@ -70,10 +93,73 @@ def test_a_rank_that_hangs_is_killed_at_the_timeout_and_named() -> None:
     _healthy_launch_after()
 
 
-def test_a_rank_that_exits_fails_in_one_line_naming_its_exit_code() -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_rank_that_exits_fails_in_one_line_naming_its_exit_code(warm: bool) -> None:
+    with warm_worlds(warm):
+        _test_a_rank_that_exits_fails_in_one_line_naming_its_exit_code()
+
+
+def _test_a_rank_that_exits_fails_in_one_line_naming_its_exit_code() -> None:
     with pytest.raises(WorkerError) as err:
         run_forked(_exit_on_rank_1, 2, timeout_s=60)
     first = str(err.value).splitlines()[0]
     assert first == "rank 1 exited with code 3 without a result (of 2 ranks)", first
     assert "rank 1: exited without a result (exit code 3" in str(err.value)
     _healthy_launch_after()
+
+
+# --------------------------------------------------------------------------- warm worlds
+def _what_the_rank_sees(rank: int, world: int, patch: bool) -> dict[str, object]:
+    import logging
+
+    seen = {"pid": os.getpid(), "env": os.environ.get("TTS_LAUNCH_PROBE"), "cwd": os.getcwd(),
+            "grace": launcher._GRACE_S, "handlers": len(logging.getLogger("torchtitan_spmd").handlers)}
+    if patch:  # what a careless launch leaves behind: a patched module attribute and a handler
+        launcher._GRACE_S = -1.0
+        logging.getLogger("torchtitan_spmd").addHandler(logging.NullHandler())
+    print(f"rank {rank} says hello", flush=True)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return seen
+
+
+def _spin(rank: int, world: int, seconds: float) -> int:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return rank
+
+
+def test_a_warm_world_runs_each_launch_in_the_same_ranks_as_the_caller_would_fork_them(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    launcher.close_warm_worlds()
+    with warm_worlds(True):
+        monkeypatch.setenv("TTS_LAUNCH_PROBE", "first")
+        first = run_forked(_what_the_rank_sees, 2, True, timeout_s=60)
+        monkeypatch.setenv("TTS_LAUNCH_PROBE", "second")
+        monkeypatch.chdir(tmp_path)
+        second = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)
+        assert [r["pid"] for r in second] == [r["pid"] for r in first]  # the same processes
+        assert {r["pid"] for r in first} <= warm_world_pids()
+        assert [r["env"] for r in first] == ["first"] * 2 and [r["env"] for r in second] == ["second"] * 2
+        assert [r["cwd"] for r in second] == [str(tmp_path)] * 2
+        # the first launch's patch and handler were put back before the second
+        assert [r["grace"] for r in second] == [launcher._GRACE_S] * 2 and launcher._GRACE_S > 0
+        assert [r["handlers"] for r in second] == [r["handlers"] for r in first]
+        out = capfd.readouterr().out
+        assert out.count("rank 0 says hello") == 2 and out.count("rank 1 says hello") == 2, out
+
+        before = warm_cpu_seconds()
+        assert run_forked(_spin, 2, 0.5, timeout_s=60) == [0, 1]
+        assert warm_cpu_seconds() - before >= 2 * 0.5 * 0.9  # both ranks' seconds, counted here
+
+        # a closure does not pickle: it runs in fresh forks, the warm world untouched
+        pids = warm_world_pids()
+        assert run_forked(lambda rank, world: os.getpid(), 2, timeout_s=60)[0] not in pids
+        assert warm_world_pids() == pids
+
+        # a failed launch ends its world: the next one runs in new ranks
+        with pytest.raises(WorkerError):
+            run_forked(_raise_on_rank_1, 2, timeout_s=60)
+        third = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)
+        assert not {r["pid"] for r in third} & {r["pid"] for r in first}
