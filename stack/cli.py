@@ -7,6 +7,7 @@ repository, malformed layers.toml).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import sys
@@ -38,7 +39,7 @@ from .gitfiles import (
 from .imports import scan_imports, working_tree_reader
 from .levels import scan_levels
 from .ownership import Ownership, check_ownership
-from .runner import PrefixResult, carried_tests, run_prefix
+from .runner import PrefixResult, carried_tests, merged, run_prefix
 from .tree import Tree
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -220,18 +221,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         say(f"[3/3] prefixes: for k = 1..{limit}, layer k's tests and every lower-layer test "
             f"that reached for a blocked module, layers above k blocked")
-        reached: list[str] = []
-        for layer in config.layers[:limit]:
-            r = run_prefix(config, project.tree, own.owner, layer.index, project.root,
-                           timeout=args.timeout,
-                           carried=carried_tests(config, layer.index, reached))
-            reached.extend(r.reached)
-            results[layer.index] = r
-            _report_prefix(r, layer, "")
-            if not r.ok:
-                failed = True
-                if args.exitfirst:
-                    break
+        jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+        if jobs > 1 and not args.exitfirst and limit > 1:
+            results = _prefixes_in_parallel(project, limit, jobs, args.timeout)
+            for layer in config.layers[:limit]:
+                _report_prefix(results[layer.index], layer, "")
+                failed |= not results[layer.index].ok
+        else:
+            reached: list[str] = []
+            for layer in config.layers[:limit]:
+                r = run_prefix(config, project.tree, own.owner, layer.index, project.root,
+                               timeout=args.timeout,
+                               carried=carried_tests(config, layer.index, reached))
+                reached.extend(r.reached)
+                results[layer.index] = r
+                _report_prefix(r, layer, "")
+                if not r.ok:
+                    failed = True
+                    if args.exitfirst:
+                        break
         for layer in config.layers:
             if layer.index not in results:
                 statuses[layer.index] = "not run"
@@ -240,6 +248,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     say()
     say("stack check: FAILED" if failed else "stack check: ok")
     return EXIT_FAIL if failed else EXIT_OK
+
+
+def _prefixes_in_parallel(project: Project, limit: int, jobs: int,
+                          timeout: float | None) -> dict[int, PrefixResult]:
+    """Every prefix's own tests at once (``jobs`` at a time), then each prefix's carried tests,
+    in order: which lower-layer tests prefix k carries is known only once the prefixes below it
+    ran. The same runs as one prefix after the other, in less time on several cores."""
+    config, own = project.config, project.own
+    layers = config.layers[:limit]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {layer.index: pool.submit(run_prefix, config, project.tree, own.owner, layer.index,
+                                            project.root, timeout=timeout) for layer in layers}
+        first = {k: f.result() for k, f in futures.items()}
+    results: dict[int, PrefixResult] = {}
+    reached: list[str] = []
+    for layer in layers:
+        carried = carried_tests(config, layer.index, reached)
+        second = run_prefix(config, project.tree, own.owner, layer.index, project.root, timeout=timeout,
+                            carried=carried, own_tests=False) if carried else None
+        results[layer.index] = merged(first[layer.index], second)
+        reached.extend(results[layer.index].reached)
+    return results
 
 
 def _layer_files(project: Project, count: int) -> list[list[TrackedFile]]:
@@ -412,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     tests.add_argument("--no-tests", action="store_true", help="skip the per-prefix test runs")
     tests.add_argument("-x", "--exitfirst", action="store_true",
                        help="stop at the first failing prefix")
+    tests.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                       help="prefix runs at once (default: the CPU count; 1: one after the other)")
     tests.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                        help="time limit for one prefix's pytest run (default 3600)")
 

@@ -102,8 +102,10 @@ def carried_tests(config: StackConfig, k: int, reached: list[str]) -> list[str]:
 
 
 def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: Path,
-                carried: list[str] | None = None) -> dict:
-    """The bootstrap spec for prefix k: pytest args, blocked names and files."""
+                carried: list[str] | None = None, *, own_tests: bool = True) -> dict:
+    """The bootstrap spec for prefix k: pytest args, blocked names and files.
+
+    ``own_tests=False``: only ``carried`` (the second half of a prefix run in parallel mode)."""
     upper = config.layers[k:]
     # Layer k's test files that a lower layer's test folder collects (its own list may not name
     # them): they are collectable from prefix k on, so prefix k runs them.
@@ -112,8 +114,8 @@ def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: 
         path for path, layer in owner.items()
         if layer.index == k and _is_test_file(path)
         and any("::" not in arg and covers(arg, path) for arg in lower_args))
-    test_args = list(dict.fromkeys([*config.layers[k - 1].prefix_tests, *newly_collectable,
-                                    *(carried or [])]))
+    own = [*config.layers[k - 1].prefix_tests, *newly_collectable] if own_tests else []
+    test_args = list(dict.fromkeys([*own, *(carried or [])]))
     ignores: list[str] = []
     for layer in upper:
         for entry in layer.paths:
@@ -148,10 +150,11 @@ def prefix_plan(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: 
 
 
 def run_prefix(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: Path, *,
-               timeout: float | None = None, carried: list[str] | None = None) -> PrefixResult:
-    """Run prefix k: layer k's tests and ``carried`` (see :func:`carried_tests`), layers above k
-    blocked."""
-    plan = prefix_plan(config, tree, owner, k, run_root, carried)
+               timeout: float | None = None, carried: list[str] | None = None,
+               own_tests: bool = True) -> PrefixResult:
+    """Run prefix k: layer k's tests (unless ``own_tests`` is false) and ``carried`` (see
+    :func:`carried_tests`), layers above k blocked."""
+    plan = prefix_plan(config, tree, owner, k, run_root, carried, own_tests=own_tests)
     if not plan["tests"]:
         return PrefixResult(k, 0, 0.0, note="no tests")
     with tempfile.TemporaryDirectory(prefix="stack-prefix-") as tmp:
@@ -191,3 +194,16 @@ def run_prefix(config: StackConfig, tree: Tree, owner: dict, k: int, run_root: P
     elif code != 0:
         result.note = f"pytest exit {code}"
     return result
+
+
+def merged(own: PrefixResult, carried_run: PrefixResult | None) -> PrefixResult:
+    """Prefix k's result from its two runs in parallel mode: its own tests, then the carried ones."""
+    if carried_run is None or carried_run.note == "no tests":
+        return own
+    counts = {key: own.counts.get(key, 0) + carried_run.counts.get(key, 0)
+              for key in own.counts.keys() | carried_run.counts.keys()}
+    failing = own if not own.ok else carried_run
+    return PrefixResult(own.k, failing.exit_code, own.seconds + carried_run.seconds, counts,
+                        own.output + "\n" + carried_run.output, note=failing.note,
+                        carried=carried_run.carried,
+                        reached=tuple(dict.fromkeys((*own.reached, *carried_run.reached))))

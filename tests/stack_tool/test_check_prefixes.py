@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from stack_synth import BASE_LAYERS, Repo
 
 from stack.runner import BOOTSTRAP
@@ -125,10 +126,12 @@ def test_upper_helper_module_blocked_by_file_and_upper_tests_not_collected(
         in r.out
 
 
-def test_a_lower_test_that_reached_for_an_upper_layer_runs_again_later(synthetic_repo: Repo) -> None:
+@pytest.mark.parametrize("jobs", ["1", "3"], ids=["one-after-the-other", "in-parallel"])
+def test_a_lower_test_that_reached_for_an_upper_layer_runs_again_later(synthetic_repo: Repo, jobs: str) -> None:
     """A layer-1 test that skips without layer 2 and needs layer 3 once layer 2 is there: only a
     later prefix can see it fail, and it does, because its first run reached for a blocked module
-    (in the test body, and at a test file's collection)."""
+    (in the test body, and at a test file's collection). The same whether the prefixes run one
+    after the other or at once (their carried tests then run after them, in order)."""
     synthetic_repo.write("tests/l1/test_core.py", """\
         import importlib
 
@@ -151,7 +154,7 @@ def test_a_lower_test_that_reached_for_an_upper_layer_runs_again_later(synthetic
             assert importlib.import_module("pkg." + "top").TRIPLE == 3
         """)
     synthetic_repo.commit()
-    r = synthetic_repo.run("check")
+    r = synthetic_repo.run("check", "--jobs", jobs)
     assert r.code == 1, r.text
     assert _row(r.out, 1)[4:6] == ["0/1", "ok"]  # one skipped in its body, one file at collection
     assert ("prefix 1..2 (mid): FAILED (pytest exit 1; 1 passed / 3 collected (2 carried from "
