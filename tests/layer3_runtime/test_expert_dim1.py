@@ -22,6 +22,7 @@ from ep_helpers import checkpointed, ep_config, records, run_many
 from moe_helpers import check_moe_trace
 from parity_helpers import NORM_TOL, TOL, max_rel, skip_full_dtensor_on_old_torch
 
+from torchtitan_spmd.launcher import warm_worlds
 from torchtitan_spmd.models import qwen3
 
 pytestmark = pytest.mark.multiproc
@@ -33,7 +34,8 @@ BACKENDS = ("default", "full_dtensor", "spmd_types")
 @pytest.fixture(autouse=True)
 def _two_experts():  # noqa: ANN202 - moe_tiny with 2 experts (top-2), for this module's runs only
     qwen3.FLAVORS[FLAVOR] = dataclasses.replace(qwen3.FLAVORS["moe_tiny"], num_experts=EXPERTS)
-    yield
+    with warm_worlds(False):  # launches in fresh forks, which inherit the flavour
+        yield
     del qwen3.FLAVORS[FLAVOR]
 
 

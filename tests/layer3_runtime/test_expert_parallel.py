@@ -157,6 +157,8 @@ def _train_without_the_combine(rank: int, world: int, cfg: JobConfig) -> list[fl
 
 
 @pytest.mark.multiproc
+@pytest.mark.fresh_world(reason="the type error names the axes as spmd_types first registered their groups in "
+                                "the process (a warm rank's default group keeps an earlier launch's name)")
 def test_the_checker_catches_a_missing_combine() -> None:
     """With ``debug.moe_force_load_balance`` every rank sends and gets as many rows, so leaving the
     combine out changes no shape: unchecked it trains, off the curve; checked, the experts' pending

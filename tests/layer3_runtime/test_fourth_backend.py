@@ -24,7 +24,7 @@ from torchtitan_spmd.config import (
     backends,
 )
 from torchtitan_spmd.distributed.parallel_dims import ParallelDims
-from torchtitan_spmd.launcher import run_forked
+from torchtitan_spmd.launcher import run_forked, warm_worlds
 
 pytestmark = pytest.mark.backend("default")  # it is default's runtime: run in that session
 
@@ -34,7 +34,8 @@ def toy() -> Iterator[backends.Backend]:
     entry = backends.register_backend(  # the one registry line
         dataclasses.replace(backends.backend("default"), name="toy", module="toy_backend"))
     try:
-        yield entry
+        with warm_worlds(False):  # launches in fresh forks, which inherit the registration
+            yield entry
     finally:
         backends.unregister_backend("toy")
 

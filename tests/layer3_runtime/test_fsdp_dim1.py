@@ -25,7 +25,7 @@ from parity_helpers import (
     warm_parent,
 )
 
-from torchtitan_spmd.launcher import run_forked, run_isolated
+from torchtitan_spmd.launcher import run_forked, run_isolated, warm_worlds
 from torchtitan_spmd.models import llama3
 
 pytestmark = pytest.mark.multiproc
@@ -36,7 +36,8 @@ FLAVOR, WORLD, STEPS = "tiny_ffn170", 4, 3
 @pytest.fixture(autouse=True)
 def _flavour():  # noqa: ANN202
     llama3.FLAVORS[FLAVOR] = dataclasses.replace(llama3.FLAVORS["tiny"], multiple_of=2)
-    yield
+    with warm_worlds(False):  # launches in fresh forks, which inherit the flavour
+        yield
     del llama3.FLAVORS[FLAVOR]
 
 

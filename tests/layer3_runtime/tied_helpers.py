@@ -31,13 +31,16 @@ TOL = 1e-5
 
 @contextlib.contextmanager
 def tied_flavour(model: str) -> Iterator[None]:
-    """``model``'s flavour registry holds ``tiny_tied`` while the block runs."""
+    """``model``'s flavour registry holds ``tiny_tied`` while the block runs (its launches in fresh
+    forks, which inherit it: a warm world's ranks were forked before)."""
+    from torchtitan_spmd.launcher import warm_worlds
     from torchtitan_spmd.models import get_model_spec
 
     flavours = get_model_spec(model).flavors
     flavours[TIED] = dataclasses.replace(flavours["tiny"], enable_weight_tying=True)  # type: ignore[index]
     try:
-        yield
+        with warm_worlds(False):
+            yield
     finally:
         del flavours[TIED]  # type: ignore[attr-defined]
 
