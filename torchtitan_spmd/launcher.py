@@ -174,24 +174,27 @@ def run_forked(
             start_method="fork",
         )
         deadline = time.monotonic() + timeout_s
-        failure: BaseException | None = None
         hung: list[int] = []
+        first_failure: float | None = None
         try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
+            # Watched here, not with the context's join: that one terminates every other rank the
+            # moment one fails, and a rank about to write its result would then have none.
+            while any(p.is_alive() for p in ctx.processes):
+                now = time.monotonic()
+                if now > deadline or (first_failure is not None and now > first_failure + _GRACE_S):
                     hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
                     break
-        except mp.ProcessRaisedException as err:  # pragma: no cover - we catch in-worker
-            failure = err
-        except mp.ProcessExitedException as err:
-            failure = err
+                multiprocessing.connection.wait([p.sentinel for p in ctx.processes if p.is_alive()],
+                                                timeout=min(1.0, deadline - now))
+                if first_failure is None and any(p.exitcode not in (None, 0) for p in ctx.processes):
+                    first_failure = time.monotonic()  # the others get a short grace (see _GRACE_S)
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
                     p.join()
         _record_launch(fn, world_size, time.monotonic() - launched, _read_work_s(workdir), args)
-        if hung:
+        if hung and first_failure is None:  # nobody failed: they are late
             raise _timeout_error(hung, world_size, timeout_s)
         outcomes: list[tuple[str, Any]] = []
         for rank in range(world_size):
@@ -201,7 +204,7 @@ def run_forked(
                 continue
             with open(path, "rb") as f:
                 outcomes.append(pickle.load(f))
-        return _results(outcomes, failure)
+        return _results(outcomes)
 
 
 def _timeout_error(hung: list[int], world_size: int, timeout_s: float) -> TimeoutError:
@@ -212,7 +215,7 @@ def _timeout_error(hung: list[int], world_size: int, timeout_s: float) -> Timeou
         + (f" (rank(s) {', '.join(map(str, done))} had finished)" if done else ""))
 
 
-def _results(outcomes: list[tuple[str, Any]], failure: BaseException | None = None) -> list[Any]:
+def _results(outcomes: list[tuple[str, Any]]) -> list[Any]:
     """The ranks' values, or :class:`WorkerError` summarising every rank that failed.
 
     ``outcomes[rank]`` is ``("ok", value)``, ``("error", traceback text)`` or ``("exited", exit
@@ -236,8 +239,7 @@ def _results(outcomes: list[tuple[str, Any]], failure: BaseException | None = No
             results.append(value)
     if errors:
         # One line first (what each failing rank did), then every failing rank's traceback.
-        raise WorkerError(f"{'; '.join(summary)} (of {world_size} ranks)\n" + "\n".join(errors)) \
-            from failure
+        raise WorkerError(f"{'; '.join(summary)} (of {world_size} ranks)\n" + "\n".join(errors))
     return results
 
 
