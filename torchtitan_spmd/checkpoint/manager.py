@@ -781,9 +781,16 @@ class CheckpointManager:
         ranks = [r for r, what in enumerate(found) if what is not None]
         if not ranks:
             return
-        what = found[ranks[0]].rstrip(".")
+        what = found[ranks[0]]
         if len(ranks) < len(found):
-            what += f" (found on rank(s) {', '.join(map(str, ranks))} of {len(found)})"
+            what = what.rstrip(".") + f" (found on rank(s) {', '.join(map(str, ranks))} of {len(found)})"
+        if what.startswith("saved from another model"):  # not a missing optimizer/... entry
+            what = self._another_model(what.rstrip("."), path, record)
+        raise _agreed(CheckpointLoadError(os.path.basename(os.path.normpath(path)), what, path))
+
+    def _another_model(self, what: str, path: str, record: Mapping[str, Any]) -> str:
+        """``what`` (a model mismatch) with the model the checkpoint's marker ``record`` names and
+        how to start afresh."""
         saved_model, this_model = record.get("model"), self.record.get("model")
         if isinstance(saved_model, str) and saved_model and this_model:
             what += (f"; its marker records the model {saved_model!r}, this run's is {this_model!r}"
@@ -794,7 +801,7 @@ class CheckpointManager:
                      f"with the model that saved it")
         else:
             what += "; give checkpoint.initial_load_path a checkpoint of this model"
-        raise _agreed(CheckpointLoadError(os.path.basename(os.path.normpath(path)), what, path))
+        return what
 
     def _compare(self, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
         model = {k: v for k, v in states.items() if k not in self.states}
