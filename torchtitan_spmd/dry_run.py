@@ -407,7 +407,7 @@ def _balanced_expert_outputs(experts: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 #: :func:`_count_saved`'s results in this process, by (model config, batch, seq, dtype, selective AC).
-_SAVED_CACHE: dict[tuple[str, int, int, torch.dtype, str], tuple[list[int], int]] = {}
+_SAVED_CACHE: dict[tuple[Any, ...], tuple[list[int], int]] = {}
 
 
 class _SelectiveSaves:
@@ -457,7 +457,7 @@ class _SelectiveSaves:
 
 
 def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype, selective: Any = None,
-                 tp: int = 1, sequence_parallel: bool = True) -> tuple[list[int], int]:
+                 tp: int = 1, sequence_parallel: bool = True, ep: int = 1) -> tuple[list[int], int]:
     """Saved-for-backward bytes of each block of a short copy of the model and of everything else
     (embedding, final norm, output, loss; the parameters a layer saves are not counted; attention
     keeps what a flash kernel keeps: :class:`_FlashAttentionSaves`), counted: an unsharded copy on
@@ -469,14 +469,18 @@ def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype, selective
     ``selective`` (the ``activation_checkpoint`` section, mode ``"selective"``): a block keeps what
     selective AC keeps of it (:class:`_SelectiveSaves`: its input and the outputs of the ops its
     per-op policy saves), not what autograd would save without AC; then each block's bytes are
-    this rank's under ``tp`` (``sequence_parallel``) already."""
+    this rank's under ``tp`` (``sequence_parallel``) already. Under expert parallelism (``ep > 1``)
+    an MoE block's policy also saves its two all-to-alls' outputs (the rows dispatched to this
+    rank's experts and the rows combined back), which the copy, unsharded, never runs: each is
+    counted as ``tokens / tp x top_k`` rows of ``dim`` (balanced routing, as the communication
+    estimate)."""
     import dataclasses  # noqa: PLC0415
 
     from torchtitan_spmd.models.common import ScaledDotProductAttention  # noqa: PLC0415
     from torchtitan_spmd.models.moe import GroupedExperts  # noqa: PLC0415
     from torchtitan_spmd.techniques.activation_checkpoint import selective_policy  # noqa: PLC0415
 
-    key = (repr(setup.model_config), batch, seq, dtype, repr(selective), tp, sequence_parallel)
+    key = (repr(setup.model_config), batch, seq, dtype, repr(selective), tp, sequence_parallel, ep)
     if key in _SAVED_CACHE:
         return _SAVED_CACHE[key]
     config = setup.model_config
@@ -541,6 +545,10 @@ def _count_saved(setup: Any, batch: int, seq: int, dtype: torch.dtype, selective
         if sac is not None:
             add(args[0], 1.0 / tp if sequence_parallel else 1.0)  # the checkpoint keeps the block's input
             sac.policy = selective_policy(blocks[i], selective, f"layers.{i}")
+            if ep > 1 and getattr(blocks[i], "moe_enabled", False):  # the saved all-to-alls (dispatch, combine)
+                rows = batch * seq // tp * blocks[i].moe.router.top_k
+                for _ in range(2):
+                    add(torch.empty(rows, config.dim, dtype=dtype, device="meta"))
 
     def leave() -> None:
         where["block"] = -1
@@ -571,7 +579,8 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     (``tokens x dim`` in the compute dtype, sequence-sharded under SP). ``"selective"``: a block
     keeps its input and the outputs its per-op policy saves, counted with the real run's policy
     (:class:`_SelectiveSaves`). The embedding, final norm, output and loss go to the rank holding the
-    output. MoE blocks are counted as if routing were balanced (:func:`_balanced_expert_outputs`).
+    output. MoE blocks are counted as if routing were balanced (:func:`_balanced_expert_outputs`;
+    under selective AC and EP with the all-to-all outputs the policy saves).
     """
     from torchtitan_spmd.config import TORCH_DTYPE_MAP  # noqa: PLC0415
 
@@ -587,7 +596,8 @@ def activation_bytes(job_config: JobConfig, setup: Any, built: Any, pipeline: An
     mode = ac.mode
     sp = job_config.parallelism.enable_sequence_parallel
     blocks, rest = _count_saved(setup, batch, training.seq_len // pd.cp, dtype,
-                                selective=ac if mode == "selective" else None, tp=pd.tp, sequence_parallel=sp)
+                                selective=ac if mode == "selective" else None, tp=pd.tp, sequence_parallel=sp,
+                                ep=pd.ep if mode == "selective" else 1)
     if mode == "full":
         dim = setup.model_config.dim
         per_block = tokens * dim * dtype.itemsize // (pd.tp if sp else 1)

@@ -181,7 +181,8 @@ def test_help_lists_the_forks_options_with_their_docstrings(capsys: pytest.Captu
     assert err.value.code == 0
     out = capsys.readouterr().out
     assert "--parallelism.spmd-backend" in out and "--data.corpus" in out
-    assert "plain local tensors" in out  # the spmd_backend field docstring
+    words = " ".join(" ".join(line.strip(" │") for line in out.splitlines()).split())  # tyro's box, unwrapped
+    assert "(plain local tensors typed with spmd_types)" in words  # the spmd_backend field docstring
 
 
 def test_help_without_a_module_explains_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
@@ -195,6 +196,31 @@ def test_help_without_a_module_explains_the_contract(capsys: pytest.CaptureFixtu
 
 #: The short ``--help``: 3 usage lines, the contract, one line per section and the root field.
 HELP_LINE_BUDGET = 30
+#: ``--help-all`` at 80 columns: every field with its re-flowed docstring (measured 560 lines; 646
+#: when tyro kept the docstrings' hard line breaks).
+HELP_ALL_LINE_BUDGET = 580
+#: RST markup that must not reach a help screen.
+MARKUP = ("``", ":class:", ":func:", ":mod:", ":meth:", ":attr:", ":data:")
+
+
+@pytest.mark.parametrize("argv", [("--help-all",), (*FORK, "--help")], ids=["help-all", "config-help"])
+def test_the_full_help_is_plain_reflowed_text(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as err:
+        parse(*argv)
+    assert err.value.code == 0
+    out = capsys.readouterr().out
+    for markup in MARKUP:
+        assert markup not in out, (markup, [line for line in out.splitlines() if markup in line][:3])
+    words = " ".join(" ".join(line.strip(" │") for line in out.splitlines()).split())  # tyro's box, unwrapped
+    # docstrings of several source lines with markup, as plain sentences
+    assert ("How parallelism is expressed: \"default\" (DTensor on TP/EP axes plus FSDP2; upstream's August "
+            "spelling \"partial_dtensor\"), \"full_dtensor\"") in words
+    if argv == ("--help-all",):
+        assert len(out.splitlines()) <= HELP_ALL_LINE_BUDGET, len(out.splitlines())
+        assert "--job.dump-folder STR Folder for logs and other outputs of the run." in words
+        assert "Legacy TOML source and output folder." in words  # the section, without its "``[job]``:"
 
 
 def test_short_help_is_one_screen_of_plain_text(capsys: pytest.CaptureFixture[str],

@@ -31,6 +31,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     # HSDP 2 x 2 with EP 2 (experts sharded over efsdp x ep inside the replicas); with activation checkpointing
     "hsdp2x2_ep2": (4, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
                         "expert_parallel_degree": 2}),
+    # FSDP 4 x EP 2: efsdp 2 (the experts' dim 1 for a 2-expert flavour: 1 expert a rank)
+    "fsdp4_ep2": (4, {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}),
 }
 
 
@@ -84,8 +86,9 @@ def check_probed(got: Any, layout: str, what: str) -> tuple[float, float, float]
     return loss_diff, norm_diff, grad_diff
 
 
-def hf_model() -> tuple[object, dict]:
-    """A random transformers ``DeepseekV3ForCausalLM`` of ``tiny``'s sizes (transformers' own field names)."""
+def hf_model(**overrides: Any) -> tuple[object, dict]:
+    """A random transformers ``DeepseekV3ForCausalLM`` of ``tiny``'s sizes (transformers' own field names),
+    with ``overrides`` of those fields (e.g. ``n_routed_experts``)."""
     import torch
     import transformers
 
@@ -99,6 +102,7 @@ def hf_model() -> tuple[object, dict]:
                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+    fields.update(overrides)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
     with torch.no_grad():
         for p in model.parameters():
@@ -112,8 +116,8 @@ def hf_model() -> tuple[object, dict]:
     return model.eval(), fields
 
 
-def check_hf_training(backend: str, layouts: tuple[str, ...], root: Any) -> dict[str, float]:
-    """For each of ``layouts`` (one launch of 4 gloo ranks): :func:`hf_model` saved in bfloat16 loads
+def check_hf_training(backend: str, layouts: tuple[str, ...], root: Any, **overrides: Any) -> dict[str, float]:
+    """For each of ``layouts`` (one launch of 4 gloo ranks): :func:`hf_model` (with ``overrides``) saved in bfloat16 loads
     through the trainer's sharded HF path (``--model.flavor from_hf``) under ``backend``; the step-1 loss
     is transformers' cross-entropy of the source on the same global batch (relative ``TOL``), and an
     export right after the load holds exactly the source's tensors (names, dtype, bits). Returns
@@ -133,7 +137,7 @@ def check_hf_training(backend: str, layouts: tuple[str, ...], root: Any) -> dict
     import torch.distributed.checkpoint  # noqa: F401  (import once, before forking)
 
     src = root / "src"
-    hf_model()[0].to(torch.bfloat16).save_pretrained(str(src))
+    hf_model(**overrides)[0].to(torch.bfloat16).save_pretrained(str(src))
     cfgs = [hf_job("deepseek_v3", "from_hf", {**LAYOUTS[lay][1], "spmd_backend": backend},
                    GLOBAL_BATCH // data_parallel(lay), src, root / lay) for lay in layouts]
     per_rank = run_forked(_worker, 4, cfgs, timeout_s=300)

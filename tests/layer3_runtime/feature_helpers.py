@@ -33,6 +33,7 @@ __all__ = [
     "losses_and_norms",
     "max_rel",
     "run_steps",
+    "tiny_job",
 ]
 
 WORLD = 4
@@ -160,3 +161,24 @@ def check_accumulation(backend: str) -> tuple[float, float]:
     # (sync on?, any gradient already reduced into the sharded parameters?) per microbatch
     assert got["probe"] == [(False, False), (True, False)] * ACCUM_STEPS, got["probe"]
     return _compare(got["records"], baseline(backend), ACCUM_TOL)
+
+
+def tiny_job(folder: str, *, steps: int = 2, **over: Any) -> JobConfig:
+    """The run-feature tests' job: llama3 ``tiny`` on FSDP 2, ``steps`` steps of 2 x 16 tokens, fp32,
+    no activation checkpointing, lr 1e-2 after 1 warm-up step, seed 7, dumping into ``folder``;
+    ``over``: ``section__field=value`` overrides (``optimizer__lr=0.1``)."""
+    cfg: dict[str, Any] = {
+        "job": {"dump_folder": folder},
+        "model": {"name": "llama3", "flavor": "tiny"},
+        "training": {"steps": steps, "local_batch_size": 2, "seq_len": 16, "device": "cpu",
+                     "mixed_precision_param": "float32"},
+        "activation_checkpoint": {"mode": "none"},
+        "optimizer": {"lr": 1e-2},
+        "lr_scheduler": {"warmup_steps": 1},
+        "parallelism": {"data_parallel_shard_degree": 2},
+        "debug": {"seed": 7},
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        cfg.setdefault(section, {})[name] = value
+    return JobConfig.from_dict(cfg)

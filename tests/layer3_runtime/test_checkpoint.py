@@ -190,6 +190,8 @@ def _errors(rank: int, world: int, root: str, two_rank_root: str) -> dict[str, s
         "other_shape": message(ck_config("default", "single", from_two, flavor="debugmodel")),
         "missing_step": message(ck_config("default", "single", from_two, load_step=5)),
         "model_only_export": message(ck_config("default", "single", two_rank_root)),
+        # another model size resuming into that folder: its shapes first, not the model-only refusal
+        "other_size_model_only": message(ck_config("default", "single", two_rank_root, flavor="debugmodel")),
         "bad_exclude": message(ck_config("default", "single", from_two, exclude_from_loading=["optimzer"])),
         "loads_model_only_export_step": message(ck_config("default", "single", two_rank_root, load_step=6)),
     }
@@ -204,7 +206,15 @@ def test_load_errors_name_the_problem(two_rank_sync, tmp_path: Path) -> None:
     assert "not-a-checkpoint' is not a checkpoint: it has no DCP .metadata file" in msg["not_a_checkpoint"]
     assert ("'tok_embeddings.weight' has shape (320, 64) there and (320, 256) in this model"
             in msg["other_shape"]), msg["other_shape"]
+    # the model the marker recorded, and how to start afresh (issue 45)
+    assert ("; its marker records the model 'llama3/tiny', this run's is 'llama3/debugmodel'; to start afresh, "
+            f"give another --job.dump_folder or remove {tmp_path / 'from-two' / 'checkpoint'}") in msg["other_shape"], msg["other_shape"]
+    other = msg["other_size_model_only"]
+    assert other.startswith("checkpoint step-8: saved from another model: 'tok_embeddings.weight' has shape "
+                            "(320, 64) there and (320, 256) in this model; its marker records the model "
+                            "'llama3/tiny', this run's is 'llama3/debugmodel'; to start afresh"), other
     assert "saved from another model: it has no 'norm.weight' (it holds " in msg["lacking_key"]
+    assert "; give checkpoint.initial_load_path a checkpoint of this model" in msg["lacking_key"]
     assert ("saved from another model: it holds 'layers.9.feed_forward.w1.weight', which this model lacks"
             in msg["extra_key"])
     assert "checkpoint.load_step=5: no complete checkpoint step-5" in msg["missing_step"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from feature_helpers import tiny_job
 from torch import nn
 
 from torchtitan_spmd.config import JobConfig, OptimizerConfig, ValidatorConfig
@@ -26,21 +27,7 @@ from torchtitan_spmd.tools.optimizer import build_optimizer
 
 
 def _job(folder: str, **over: Any) -> JobConfig:
-    cfg: dict[str, Any] = {
-        "job": {"dump_folder": folder},
-        "model": {"name": "llama3", "flavor": "tiny"},
-        "training": {"steps": 2, "local_batch_size": 2, "seq_len": 16, "device": "cpu",
-                     "mixed_precision_param": "float32"},
-        "activation_checkpoint": {"mode": "none"},
-        "optimizer": {"lr": 1e-2},
-        "lr_scheduler": {"warmup_steps": 1},
-        "parallelism": {"data_parallel_shard_degree": 2},
-        "debug": {"seed": 7},
-    }
-    for key, value in over.items():
-        section, name = key.split("__")
-        cfg.setdefault(section, {})[name] = value
-    return JobConfig.from_dict(cfg)
+    return tiny_job(folder, **over)
 
 
 def _run(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from feature_helpers import tiny_job
 from torch import nn
 
 from torchtitan_spmd import reference
@@ -217,22 +218,12 @@ def test_a_changed_grouping_is_one_line() -> None:
 STEPS = 4
 
 
+#: The schedule of these runs: warm-up 1, then cosine decay over the last half to 0.2 x lr.
+_SCHEDULE = {"lr_scheduler__decay_ratio": 0.5, "lr_scheduler__decay_type": "cosine", "lr_scheduler__min_lr_factor": 0.2}
+
+
 def _job(folder: str, **over: Any) -> JobConfig:
-    cfg: dict[str, Any] = {
-        "job": {"dump_folder": folder},
-        "model": {"name": "llama3", "flavor": "tiny"},
-        "training": {"steps": STEPS, "local_batch_size": 2, "seq_len": 16, "device": "cpu",
-                     "mixed_precision_param": "float32"},
-        "activation_checkpoint": {"mode": "none"},
-        "optimizer": {"lr": 1e-2},
-        "lr_scheduler": {"warmup_steps": 1, "decay_ratio": 0.5, "decay_type": "cosine", "min_lr_factor": 0.2},
-        "parallelism": {"data_parallel_shard_degree": 2},
-        "debug": {"seed": 7},
-    }
-    for key, value in over.items():
-        section, name = key.split("__")
-        cfg.setdefault(section, {})[name] = value
-    return JobConfig.from_dict(cfg)
+    return tiny_job(folder, steps=STEPS, **{**_SCHEDULE, **over})
 
 
 def _lrs_and_groups(rank: int, world: int, cfg: JobConfig) -> dict[str, Any]:

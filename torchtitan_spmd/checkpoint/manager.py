@@ -403,6 +403,18 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+class _ModelOnlyResume(CheckpointLoadError):
+    """:meth:`CheckpointManager._choose`'s refusal to resume from a model-only checkpoint, with its
+    marker's ``record`` (the load first checks that the checkpoint is this model's)."""
+
+    def __init__(self, name: str, what: str, file: str, record: dict[str, Any]) -> None:
+        super().__init__(name, what, file)
+        self.record = record
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.what, self.file, self.record))
+
+
 def _agreed(err: Exception) -> Exception:
     """``err``, marked as the same on every rank (rank 0's decision, broadcast): the trainer
     prints such an error once, on rank 0."""
@@ -682,11 +694,12 @@ class CheckpointManager:
             full = [s for s, i in complete.items() if not i.model_only]
             hint = (f"pass --checkpoint.load_step {max(full)} (the newest full checkpoint) to resume from it"
                     if full else "no full checkpoint is there to resume from")
-            raise CheckpointLoadError(
+            raise _ModelOnlyResume(
                 f"step-{info.step}", f"holds only the model (the last save of a run with "
                 f"checkpoint.last_save_model_only=True), so training cannot resume from it: {hint}, "
                 "or save full last checkpoints with --checkpoint.no-last_save_model_only; to start a new run "
-                f"from scratch instead, give another --job.dump_folder or remove {self.folder}", info.path)
+                f"from scratch instead, give another --job.dump_folder or remove {self.folder}", info.path,
+                dict(info.record))
         return info.path, info.step, info.model_only, incomplete, dict(info.record)
 
     def _fallbacks(self, chosen: str | None) -> list[tuple[int, str, dict[str, Any]]]:
@@ -747,13 +760,48 @@ class CheckpointManager:
             what, file = f"no DCP {_DCP_METADATA} file", metadata
         return f"step-{step}", what, file
 
-    def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    def _check_against(self, path: str, metadata: Mapping[str, Any], states: Mapping[str, Any],
+                       record: Mapping[str, Any]) -> None:
         """Raise :class:`CheckpointLoadError` naming the first key whose shape differs from the
-        checkpoint's (``metadata``: its DCP metadata by key), or a model key either side lacks."""
+        checkpoint's (``metadata``: its DCP metadata by key), or a model key either side lacks, with
+        the model the checkpoint's marker ``record`` names and how to start afresh.
+
+        Every rank compares its own part (under pipeline parallelism each stage holds other keys)
+        and every rank learns every rank's finding (one object all-gather): the error is agreed,
+        printed once by rank 0, naming the ranks that found it when not all did."""
         try:
             self._compare(metadata, states)
+            mine: str | None = None
         except ValueError as err:
-            raise CheckpointLoadError(os.path.basename(os.path.normpath(path)), str(err), path) from None
+            mine = str(err)
+        found = [mine]
+        if self.world_size > 1:
+            found = [None] * self.world_size
+            dist.all_gather_object(found, mine)
+        ranks = [r for r, what in enumerate(found) if what is not None]
+        if not ranks:
+            return
+        what = found[ranks[0]]
+        if len(ranks) < len(found):
+            what = what.rstrip(".") + f" (found on rank(s) {', '.join(map(str, ranks))} of {len(found)})"
+        if what.startswith("saved from another model"):  # not a missing optimizer/... entry
+            what = self._another_model(what.rstrip("."), path, record)
+        raise _agreed(CheckpointLoadError(os.path.basename(os.path.normpath(path)), what, path))
+
+    def _another_model(self, what: str, path: str, record: Mapping[str, Any]) -> str:
+        """``what`` (a model mismatch) with the model the checkpoint's marker ``record`` names and
+        how to start afresh."""
+        saved_model, this_model = record.get("model"), self.record.get("model")
+        if isinstance(saved_model, str) and saved_model and this_model:
+            what += (f"; its marker records the model {saved_model!r}, this run's is {this_model!r}"
+                     if saved_model != this_model else f"; its marker records the model {saved_model!r}, "
+                     "this run's too: a flavour changed since it was saved?")
+        if os.path.dirname(os.path.normpath(path)) == os.path.normpath(self.folder):
+            what += (f"; to start afresh, give another --job.dump_folder or remove {self.folder}, or resume "
+                     f"with the model that saved it")
+        else:
+            what += "; give checkpoint.initial_load_path a checkpoint of this model"
+        return what
 
     def _compare(self, metadata: Mapping[str, Any], states: Mapping[str, Any]) -> None:
         model = {k: v for k, v in states.items() if k not in self.states}
@@ -796,6 +844,8 @@ class CheckpointManager:
                 damaged = self._damaged_newer(chosen[1] if mine else None) if step == -1 else None
                 fallbacks = self._fallbacks(chosen[0] if chosen is not None and damaged is None else None)
                 choice[0] = ("ok", (chosen, fallbacks, damaged))
+            except _ModelOnlyResume as refused:  # unless it was saved by another model: see below
+                choice[0] = ("model_only", (str(refused), refused.file, refused.record))
             except ValueError as err:
                 choice[0] = ("error", str(err))
             except OSError as err:  # the folder cannot be listed or read
@@ -803,6 +853,8 @@ class CheckpointManager:
         if self.world_size > 1:  # one decision for every rank
             dist.broadcast_object_list(choice, src=0)
         status, value = choice[0]
+        if status == "model_only":
+            self._refuse_model_only(*value)
         if status == "error":
             raise _agreed(ValueError(value))
         chosen, fallbacks, damaged = value
@@ -847,7 +899,7 @@ class CheckpointManager:
         rng = states.get(RNG)
         if rng is not None:  # the CUDA state only where the checkpoint has it (a CPU save loads on CUDA)
             states[RNG] = _FilteredRng(rng, {k.split(".", 1)[1] for k in metadata if k.startswith(RNG + ".")})
-        self._check_against(path, metadata, states)
+        self._check_against(path, metadata, states, record)
         try:
             dcp.load(states, storage_reader=integrity.NamingReader(path, trust_folder=trust), checkpoint_id=path,
                      planner=RestrictedLoadPlanner(trust_folder=trust))
@@ -857,6 +909,23 @@ class CheckpointManager:
         except Exception as err:  # noqa: BLE001 - one line naming the file
             raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
         return self._loaded(states, path, saved_step, model_only, ignored, begin)
+
+    def _refuse_model_only(self, message: str, path: str, record: Mapping[str, Any]) -> None:
+        """Refuse to resume from the model-only checkpoint ``path`` (``message``, agreed), unless it
+        was saved by another model: then the shape check's error (:meth:`_check_against`), which
+        says what a ``--checkpoint.load_step`` of that run's full checkpoints would meet next."""
+        try:
+            metadata = integrity.NamingReader(path, trust_folder=False).read_metadata().state_dict_metadata
+        except (Exception, CheckpointException):  # noqa: BLE001 - unreadable: the refusal stands
+            metadata = None
+        ok = [metadata is not None]
+        if self.world_size > 1:  # every rank reads it alike; act together
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, ok[0])
+            ok = everyone
+        if all(ok):
+            self._check_against(path, metadata, self._states(True), record)
+        raise _agreed(ValueError(message))
 
     def _trust(self, path: str) -> bool:
         """``checkpoint.trust_checkpoint_folder``, with its warning naming the folder ``path``."""

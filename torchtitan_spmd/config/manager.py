@@ -27,6 +27,7 @@ Python API (constructing sections) raises ``ValueError``/``TypeError``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -42,7 +43,7 @@ import tomllib
 import typing
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,42 @@ def plain_text(doc: str) -> str:
     (:class:`X`, ``x``) reduced to their text."""
     text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], doc)
     return " ".join(text.replace("``", "").split())
+
+
+@contextlib.contextmanager
+def _plain_helptext() -> Iterator[None]:
+    """tyro's help, with every docstring it shows as :func:`plain_text` (re-flowed, no RST markup).
+
+    tyro has no public hook for the help text of a field documented by a docstring (only
+    ``tyro.conf.arg(help=...)`` per field, or a ``help`` metadata entry), so its docstring readers
+    (``tyro._docstrings.get_field_docstring`` and ``get_callable_description``, read by tyro through
+    the module at each call) are wrapped for this block; a tyro without them shows the docstrings
+    as written."""
+    try:
+        docs = importlib.import_module("tyro._docstrings")
+    except ImportError:
+        yield
+        return
+    originals = {name: getattr(docs, name) for name in ("get_field_docstring", "get_callable_description")
+                 if callable(getattr(docs, name, None))}
+
+    def plain(read: Any) -> Any:
+        def reader(*args: Any, **kwargs: Any) -> Any:
+            text = read(*args, **kwargs)
+            if not isinstance(text, str):
+                return text
+            text = plain_text(text)
+            section = re.match(r"\[[a-z_.]+\]:\s*", text)  # a section's "[job]: ..." (its TOML table)
+            return text[section.end():][:1].upper() + text[section.end() + 1:] if section else text
+        return reader
+
+    for name, read in originals.items():
+        setattr(docs, name, plain(read))
+    try:
+        yield
+    finally:
+        for name, read in originals.items():
+            setattr(docs, name, read)
 
 
 def _prog() -> str:
@@ -388,8 +425,9 @@ class ConfigManager:
         config = _june_ac_over_policy(_release_token_partners(config, args), args)
         tyro = _tyro()
         args = ["--help" if a == "--help-all" else a for a in args]  # with a config, --help is every field
-        return tyro.cli(type(config), args=args, default=config, registry=_custom_registry(),
-                        config=(tyro.conf.CascadeSubcommandArgs,), prog=_prog())
+        with _plain_helptext():
+            return tyro.cli(type(config), args=args, default=config, registry=_custom_registry(),
+                            config=(tyro.conf.CascadeSubcommandArgs,), prog=_prog())
 
     def _load_config(self, args: list[str]) -> tuple[Any, list[str]]:
         """Strip ``--module``/``--config`` (or ``--job.config_file``); return the config and the rest."""
@@ -404,7 +442,8 @@ class ConfigManager:
                 )
             return self._load_toml(config_file), args
         if module_name is None and config_name is None and "--help-all" in args:
-            _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry(), prog=_prog())
+            with _plain_helptext():
+                _tyro().cli(JobConfig, args=["--help"], description=_USAGE, registry=_custom_registry(), prog=_prog())
         if module_name is None and config_name is None and {"-h", "--help"} & set(args):
             print(short_help(), end="")
             raise SystemExit(0)
