@@ -233,10 +233,12 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
         assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
 
 
-def check_lora(tmp_path: Any, backend: str) -> None:
-    """LoRA (rank 4 on wq, wk, wv, wo) at FSDP 2 x TP 2, 3 steps, then the Hugging Face export: the
-    frozen base is bit-identical to its initial weights, every adapter moved, only the adapters
-    hold optimizer state, and transformers' logits of the merged export equal the LoRA model's."""
+def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, **debug: Any) -> None:
+    """LoRA (rank 4 on wq, wk, wv, wo; after float8 emulated with ``float8=True``, as upstream's
+    ``llama3_debugmodel_float8_emulate_lora``) at FSDP 2 x TP 2, 3 steps, then the Hugging Face
+    export: the frozen base is bit-identical to its initial weights, every adapter moved, only the
+    adapters hold optimizer state, and transformers' logits of the merged export equal the LoRA
+    model's (in high precision: the export holds the weights, not float8)."""
     from parity_helpers import skip_full_dtensor_on_old_torch
     from transformers import AutoModelForCausalLM
 
@@ -245,7 +247,8 @@ def check_lora(tmp_path: Any, backend: str) -> None:
 
     if backend == "full_dtensor":
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    cfg = float8_job(backend, [LORA])
+    converters = [Float8LinearConverterConfig(emulate=True), LORA] if float8 else [LORA]
+    cfg = float8_job(backend, converters, **debug)
     cfg.job.dump_folder = str(tmp_path)
     cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
     cfg.checkpoint.last_save_in_hf, cfg.checkpoint.export_dtype = True, "float32"

@@ -209,6 +209,8 @@ def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
 
 
 # ----------------------------------------------------------------------------- LoRA
-@pytest.mark.parametrize("backend", ["default", "full_dtensor"])  # spmd_types: layer 4's test_converters_spmd.py
-def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str) -> None:
-    check_lora(tmp_path, backend)
+# LoRA alone under default; upstream's float8 + LoRA recipe's converters under full_dtensor (and,
+# type-checked, under spmd_types: layer 4's test_converters_spmd.py)
+@pytest.mark.parametrize(("backend", "float8"), [("default", False), ("full_dtensor", True)])
+def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str, float8: bool) -> None:
+    check_lora(tmp_path, backend, float8=float8)
