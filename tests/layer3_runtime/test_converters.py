@@ -214,3 +214,79 @@ def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
 @pytest.mark.parametrize(("backend", "float8"), [("default", False), ("full_dtensor", True)])
 def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str, float8: bool) -> None:
     check_lora(tmp_path, backend, float8=float8)
+
+
+# ----------------------------------------------------------------------------- LoRA checkpoints
+def _run(rank: int, world: int, cfg: Any) -> list[float]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return [r.loss for r in trainer.run()]
+    finally:
+        trainer.close()
+
+
+def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
+    """``checkpoint.lora_adapters_only``: the checkpoints hold the adapters (and the training state),
+    no base weight; a run resumed from one continues with the losses of the run that was not
+    stopped (the base comes back from the initialisation); a resume onto another base is one line."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from float8_helpers import LORA, float8_job
+    from parity_helpers import warm_parent
+
+    from torchtitan_spmd.launcher import WorkerError, run_forked
+
+    def job(folder: str, seed: int = 1234) -> Any:
+        cfg = float8_job("default", [LORA], parallelism={"data_parallel_shard_degree": 2}, steps=4, seed=seed)
+        cfg.job.dump_folder = folder
+        cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.lora_adapters_only = True, 2, True
+        cfg.checkpoint.last_save_model_only = False
+        cfg.validate()
+        return cfg
+
+    warm_parent()
+    whole = run_forked(_run, 2, job(str(tmp_path / "a")), timeout_s=120)[0]
+    step2 = tmp_path / "a" / "checkpoint" / "step-2"
+    keys = set(dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.split(".", 1)[0] == "layers" or k in ("output.weight", "norm.weight",
+                                                                             "tok_embeddings.weight")}
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), sorted(model_keys)[:4]
+    assert len(model_keys) == 16  # 2 blocks x (wq, wk, wv, wo) x (a, b)
+    assert any(k.startswith("optimizer.state.") and k.endswith(".lora_a.exp_avg") for k in keys)
+    shutil.copytree(step2, tmp_path / "b" / "checkpoint" / "step-2")
+    resumed = run_forked(_run, 2, job(str(tmp_path / "b")), timeout_s=120)[0]
+    assert resumed == whole[2:], (resumed, whole)
+    shutil.copytree(step2, tmp_path / "c" / "checkpoint" / "step-2")
+    with pytest.raises(WorkerError, match=r"holds LoRA's adapters only, trained on the base from initialisation, "
+                                          r"debug.seed 1234; this run's base comes from initialisation, debug.seed 7"):
+        run_forked(_run, 2, job(str(tmp_path / "c"), seed=7), timeout_s=120)
+
+
+def test_importing_torchao_drops_only_torchs_enum_warning() -> None:
+    """torch 2.14's ``_pytree`` warns once a process that torchao 0.18 registers its enums as pytree
+    constants; the library's import of torchao drops that record, and only it."""
+    import logging
+    import subprocess
+
+    from torchtitan_spmd.techniques.quantization import _TorchaoEnumConstantFilter
+
+    code = ("from torchtitan_spmd.techniques.quantization import import_torchao_float8\n"
+            "import_torchao_float8('test')\n")
+    if "torchao.float8" in sys.modules:  # this process imported it already: a fresh one shows the warning
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert "KernelPreference" not in done.stderr, done.stderr
+    msg = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    record = lambda cls: logging.LogRecord("torch.utils._pytree", logging.WARNING, "", 0, msg, (cls,), None)  # noqa: E731
+    import enum
+
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    class Other(enum.Enum):
+        A = 1
+
+    quiet = _TorchaoEnumConstantFilter()
+    assert not quiet.filter(record(KernelPreference)) and quiet.filter(record(Other))
+    assert quiet.filter(logging.LogRecord("torch.utils._pytree", logging.WARNING, "", 0, "other", (), None))

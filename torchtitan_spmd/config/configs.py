@@ -939,6 +939,14 @@ class CheckpointConfig(Section):
     ``docs/checkpoint-trust.md``). Only for metadata the allow-list misses (a newer torch's
     class) in a folder you trust; the load warns, naming the folder."""
 
+    lora_adapters_only: bool = False
+    """With a ``LoRAConverter``: checkpoints hold the model's LoRA adapters alone (with the
+    optimizer and the rest of the training state), not the frozen base, which a resume takes
+    again from where the run started (``initial_load_in_hf``, or the initialisation of
+    ``debug.seed``; a resume onto another base is a setup error). The seed checkpoint and the
+    Hugging Face export (``last_save_in_hf``, the adapters merged) hold the whole model. This
+    library's field; upstream saves the whole model."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require(bool(self.folder.strip()), "folder", "cannot be empty")

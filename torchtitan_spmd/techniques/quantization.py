@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -72,12 +73,33 @@ FLOAT8_EXTRA = 'pip install -e ".[float8]"'
 UPSTREAM_MODULE_NAMES: dict[str, tuple[str, ...]] = {"lm_head": ("output",), "wkv": ("wk", "wv")}
 
 
+class _TorchaoEnumConstantFilter(logging.Filter):
+    """Drops one log record: torch >= 2.14's ``_pytree`` warning that torchao registers its own
+    enums (``KernelPreference``) with ``register_constant``, which torch now deprecates for
+    Enums (it treats them natively). torchao 0.18.0 does it as it is imported; nothing in this
+    library or a job can act on it, and it is printed once per process, on every rank. Any other
+    record, and this warning about a class that is not torchao's, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("%s is an Enum subclass and is now natively supported"):
+            return True
+        cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (isinstance(cls, type) and cls.__module__.startswith("torchao."))
+
+
 def import_torchao_float8(what: str) -> Any:
-    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra."""
+    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra.
+    The first import drops torch's deprecation warning about torchao's enums
+    (:class:`_TorchaoEnumConstantFilter`), and only it, only while torchao is imported."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    quiet = _TorchaoEnumConstantFilter()
+    pytree_log.addFilter(quiet)
     try:
         import torchao.float8 as float8
     except ImportError:
         raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from None
+    finally:
+        pytree_log.removeFilter(quiet)
     return float8
 
 
