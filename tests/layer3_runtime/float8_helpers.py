@@ -36,10 +36,12 @@ LOCAL_BATCH = 2
 
 
 def float8_job(backend: str, converters: list[Any], *, parallelism: dict[str, Any] | None = None,
-               steps: int = F8_STEPS, **debug: Any) -> JobConfig:
-    """The parity job (tiny Llama, fp32, deterministic) of ``backend`` with ``converters``."""
+               steps: int = F8_STEPS, ac: str = "none", **debug: Any) -> JobConfig:
+    """The parity job (tiny Llama, fp32, deterministic) of ``backend`` with ``converters``;
+    ``ac``: ``activation_checkpoint.mode``."""
     cfg = job_config(backend, parallelism or PARALLELISM, local_batch=LOCAL_BATCH, steps=steps, **debug)
     cfg.model.converters = list(converters)
+    cfg.activation_checkpoint.mode = ac
     cfg.validate()
     return cfg
 
@@ -279,7 +281,7 @@ LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"
 
 
 def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
-                        rows: int = LOCAL_BATCH, **debug: Any) -> None:
+                        rows: int = LOCAL_BATCH, ac: str = "none", **debug: Any) -> None:
     """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
     on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
     The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
@@ -289,7 +291,7 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
 
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
     cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))],
-                     parallelism=parallelism, **debug)
+                     parallelism=parallelism, ac=ac, **debug)
     outs, trace = run_trainer(cfg)
     ref, ref_norms = torchao_reference("rowwise", 2, skip=skip, rows=rows)
     got = outs[0]["records"]

@@ -164,19 +164,22 @@ def test_filter_fqns_and_upstream_names() -> None:
 
 
 # ----------------------------------------------------------------------------- float8 parity
-CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int]] = {
+PP2_FSDP2 = {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}
+CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int, str]] = {
     # id: (backend, filter_fqns (also the judge's unconverted linears), parallelism (None: FSDP 2 x TP 2),
-    #      rows a forward: a pipeline microbatch has its own scales)
-    "default-fsdp2_tp2": ("default", (), None, 2),
-    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",), None, 2),
-    "default-pp2_fsdp2": ("default", (), {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1),
+    #      rows a forward: a pipeline microbatch has its own scales, activation_checkpoint.mode)
+    "default-fsdp2_tp2": ("default", (), None, 2, "none"),
+    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",), None, 2, "none"),
+    "default-pp2_fsdp2": ("default", (), PP2_FSDP2, 1, "none"),
+    # full AC recomputes each block's float8 forward, scales included (spmd_types: layer 4, selective AC)
+    "full_dtensor-pp2_fsdp2-ac_full": ("full_dtensor", (), PP2_FSDP2, 1, "full"),
 }
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
-    backend, skip, parallelism, rows = CELLS[cell]
-    check_float8_parity(cell, backend, skip, parallelism, rows)
+    backend, skip, parallelism, rows, ac = CELLS[cell]
+    check_float8_parity(cell, backend, skip, parallelism, rows, ac=ac)
 
 
 def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:

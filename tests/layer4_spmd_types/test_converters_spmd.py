@@ -21,6 +21,14 @@ def test_float8_type_checked_matches_torchaos_single_process_model() -> None:
     check_float8_parity("spmd_types-fsdp2_tp2-typechecked", "spmd_types", (), spmd_typechecking=True)
 
 
+def test_float8_pp_selective_ac_matches_torchaos_single_process_model() -> None:
+    """PP 2 x FSDP 2 with selective activation checkpointing, type-checked: each stage's float8
+    linears on typed local shards (no tp: nothing to reduce), one row a microbatch."""
+    check_float8_parity("spmd_types-pp2_fsdp2-ac_selective-typechecked", "spmd_types", (),
+                        {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1, ac="selective",
+                        spmd_typechecking=True)
+
+
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
     """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
     adapters' pending sum over tp goes through a matmul the checker knows to be linear."""

@@ -172,8 +172,10 @@ def _float8_linear_class() -> type[nn.Module]:
 
         ``tp_weight_shard_dim`` (0: column-wise, 1: row-wise, None: not sharded) and
         ``amax_reduce`` (the ``max`` over ``tp``) are set by :func:`bind_float8_shards` after
-        the plan sharded the weight. DTensor weights (``full_dtensor``) and unsharded ones run
-        torchao's own forward as it is.
+        the plan sharded the weight. Every forward is torchao's (its autocast cast of the input,
+        the matmul, the bias) with the matmul run operand by operand by :func:`sharded_float8_matmul`,
+        sharded or not: one path, whose autograd Function carries the type rule ``spmd_types``'
+        checker needs (torchao's own Function has none: "not registered for SPMD type checking").
         """
 
         tp_weight_shard_dim: int | None = None
@@ -182,12 +184,13 @@ def _float8_linear_class() -> type[nn.Module]:
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
 
+            if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast dtype
+                input = input.to(torch.get_autocast_gpu_dtype())
             if isinstance(self.weight, DTensor):
                 return _dtensor_forward(self, input)
-            if self.tp_weight_shard_dim is None:
-                return super().forward(input)
+            sharded = self.tp_weight_shard_dim
             out = sharded_float8_matmul(input, self.weight.t(), self.linear_mm_config, self.config,
-                                        1 - self.tp_weight_shard_dim, self.amax_reduce)
+                                        None if sharded is None else 1 - sharded, self.amax_reduce)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out
