@@ -435,51 +435,42 @@ def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
 
 
 # ----------------------------------------------------------------------------- needing newer GPUs
-class Float8GroupedExpertsConverter(QuantizationConverter):
-    """Upstream's ``Float8GroupedExpertsConverter`` (float8 grouped GEMMs of the MoE experts): SM89+."""
+class _NeedsNewerGpu(QuantizationConverter):
+    """A converter accepted by upstream's name and not built here: construction checks torchao and the
+    GPU it needs (one line each), then says it is not built (one line)."""
 
-    Config: ClassVar[type[Float8GroupedExpertsConverterConfig]] = Float8GroupedExpertsConverterConfig
+    #: (what needs torchao, (major, minor) compute capability, what needs that GPU, the "not built" line)
+    needs: ClassVar[tuple[str, tuple[int, int], str, str]]
 
-    def __init__(self, config: Float8GroupedExpertsConverterConfig) -> None:
+    def __init__(self, config: QuantizationConverterConfig) -> None:
         super().__init__(config)
-        import_torchao_float8("Float8GroupedExpertsConverter (float8 MoE training)")
-        _needs_sm("Float8GroupedExpertsConverter", 8, 9, "float8 grouped GEMMs (not emulated)")
-        raise ValueError("Float8GroupedExpertsConverter: float8 grouped GEMMs of the experts are not "
-                                  "built in this library yet (the dense linears are: Float8LinearConverter).")
+        name = type(self).__name__
+        torchao_use, (major, minor), gpu_use, unbuilt = self.needs
+        import_torchao_float8(f"{name} ({torchao_use})")
+        _needs_sm(name, major, minor, gpu_use)
+        raise ValueError(f"{name}: {unbuilt}.")
 
 
-class MXFP8LinearConverter(QuantizationConverter):
-    """Upstream's ``MXFP8LinearConverter``: SM100+."""
-
-    Config: ClassVar[type[MXFP8LinearConverterConfig]] = MXFP8LinearConverterConfig
-
-    def __init__(self, config: MXFP8LinearConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("MXFP8LinearConverter (MXFP8 training)")
-        _needs_sm("MXFP8LinearConverter", 10, 0, "MXFP8 matmuls")
-        raise ValueError("MXFP8LinearConverter: MXFP8 training is not built in this library yet.")
+def _needing_newer_gpu(name: str, config: type[QuantizationConverterConfig],
+                       needs: tuple[str, tuple[int, int], str, str]) -> type[_NeedsNewerGpu]:
+    major, minor = needs[1]
+    doc = f"Upstream's ``{name}`` ({needs[0]}): SM{major}{minor}+, and not built here."
+    cls = type(name, (_NeedsNewerGpu,), {"Config": config, "needs": needs, "__doc__": doc, "__module__": __name__})
+    return cls
 
 
-class MXFP8GroupedExpertsConverter(QuantizationConverter):
-    """Upstream's ``MXFP8GroupedExpertsConverter``: SM100+."""
-
-    Config: ClassVar[type[MXFP8GroupedExpertsConverterConfig]] = MXFP8GroupedExpertsConverterConfig
-
-    def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
-        _needs_sm("MXFP8GroupedExpertsConverter", 10, 0, "MXFP8 grouped GEMMs")
-        raise ValueError("MXFP8GroupedExpertsConverter: MXFP8 grouped GEMMs are not built in this "
-                                  "library yet.")
-
-
-class NVFP4LinearConverter(QuantizationConverter):
-    """Upstream's ``NVFP4LinearConverter`` (b5bcd76): SM100+."""
-
-    Config: ClassVar[type[NVFP4LinearConverterConfig]] = NVFP4LinearConverterConfig
-
-    def __init__(self, config: NVFP4LinearConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("NVFP4LinearConverter (NVFP4 training)")
-        _needs_sm("NVFP4LinearConverter", 10, 0, "NVFP4 matmuls")
-        raise ValueError("NVFP4LinearConverter: NVFP4 training is not built in this library yet.")
+#: Upstream's converters this library accepts by name only: (name, config, needs).
+_NEWER_GPU = (
+    ("Float8GroupedExpertsConverter", Float8GroupedExpertsConverterConfig,
+     ("float8 MoE training", (8, 9), "float8 grouped GEMMs (not emulated)",
+      "float8 grouped GEMMs of the experts are not built in this library yet (the dense linears are: "
+      "Float8LinearConverter)")),
+    ("MXFP8LinearConverter", MXFP8LinearConverterConfig,
+     ("MXFP8 training", (10, 0), "MXFP8 matmuls", "MXFP8 training is not built in this library yet")),
+    ("MXFP8GroupedExpertsConverter", MXFP8GroupedExpertsConverterConfig,
+     ("MXFP8 MoE training", (10, 0), "MXFP8 grouped GEMMs", "MXFP8 grouped GEMMs are not built in this library yet")),
+    ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
+     ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
+)
+Float8GroupedExpertsConverter, MXFP8LinearConverter, MXFP8GroupedExpertsConverter, NVFP4LinearConverter = (
+    _needing_newer_gpu(*row) for row in _NEWER_GPU)
