@@ -231,22 +231,31 @@ def _run(rank: int, world: int, cfg: Any) -> list[float]:
 
 
 def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
-    """``checkpoint.lora_adapters_only``: the checkpoints hold the adapters (and the training state),
-    no base weight; a run resumed from one continues with the losses of the run that was not
-    stopped (the base comes back from the initialisation); a resume onto another base is one line."""
+    """``checkpoint.lora_adapters_only`` over a Hugging Face base (``initial_load_in_hf``, weights of
+    another seed than the job's): the checkpoints hold the adapters (and the training state), no
+    base weight; a run resumed from one reads the base again from the folder and continues with the
+    losses of the run that was not stopped; a resume onto another base is one line naming both."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
     from float8_helpers import LORA, float8_job
     from parity_helpers import warm_parent
 
+    from torchtitan_spmd.checkpoint.hf import save_hf
     from torchtitan_spmd.launcher import WorkerError, run_forked
+    from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.reference import initial_weights
 
-    def job(folder: str, seed: int = 1234) -> Any:
-        cfg = float8_job("default", [LORA], parallelism={"data_parallel_shard_degree": 2}, steps=4, seed=seed)
+    spec, hf = get_model_spec("llama3"), tmp_path / "hf"
+    save_hf(initial_weights("llama3", "tiny", 99, 320), str(hf),
+            spec.state_dict_adapter(spec.model_config("tiny", vocab_size=320)), dtype="float32")
+
+    def job(folder: str, from_hf: bool = True) -> Any:
+        cfg = float8_job("default", [LORA], parallelism={"data_parallel_shard_degree": 2}, steps=4)
         cfg.job.dump_folder = folder
         cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.lora_adapters_only = True, 2, True
         cfg.checkpoint.last_save_model_only = False
+        cfg.checkpoint.initial_load_in_hf, cfg.checkpoint.initial_load_path = from_hf, str(hf) if from_hf else None
         cfg.validate()
         return cfg
 
@@ -254,8 +263,7 @@ def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
     whole = run_forked(_run, 2, job(str(tmp_path / "a")), timeout_s=120)[0]
     step2 = tmp_path / "a" / "checkpoint" / "step-2"
     keys = set(dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata)
-    model_keys = {k for k in keys if k.split(".", 1)[0] == "layers" or k in ("output.weight", "norm.weight",
-                                                                             "tok_embeddings.weight")}
+    model_keys = {k for k in keys if k.split(".", 1)[0] in ("layers", "output", "norm", "tok_embeddings")}
     assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), sorted(model_keys)[:4]
     assert len(model_keys) == 16  # 2 blocks x (wq, wk, wv, wo) x (a, b)
     assert any(k.startswith("optimizer.state.") and k.endswith(".lora_a.exp_avg") for k in keys)
@@ -263,9 +271,9 @@ def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
     resumed = run_forked(_run, 2, job(str(tmp_path / "b")), timeout_s=120)[0]
     assert resumed == whole[2:], (resumed, whole)
     shutil.copytree(step2, tmp_path / "c" / "checkpoint" / "step-2")
-    with pytest.raises(WorkerError, match=r"holds LoRA's adapters only, trained on the base from initialisation, "
-                                          r"debug.seed 1234; this run's base comes from initialisation, debug.seed 7"):
-        run_forked(_run, 2, job(str(tmp_path / "c"), seed=7), timeout_s=120)
+    with pytest.raises(WorkerError, match=r"holds LoRA's adapters only, trained on the base from Hugging Face "
+                                          r".*/hf; this run's base comes from initialisation, debug.seed 1234"):
+        run_forked(_run, 2, job(str(tmp_path / "c"), from_hf=False), timeout_s=120)
 
 
 def test_importing_torchao_drops_only_torchs_enum_warning() -> None:
