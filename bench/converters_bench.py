@@ -143,7 +143,7 @@ def gpu_probe(dim: int, tokens: int, layers: int, emulate: bool, iters: int = 20
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (emulated)",
         "torch": torch.__version__, "torchao": getattr(__import__("torchao"), "__version__", "?"),
         "output_max_abs_diff": float((o1.float() - o2.float()).abs().max()),
-        "weight_grad_max_abs_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1, g2)),
+        "weight_grad_max_abs_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1, g2, strict=True)),
     }
     for name, model in (("bf16" if dtype == torch.bfloat16 else "fp32", base), ("torchao_float8", theirs),
                         ("library_float8", ours)):
