@@ -293,7 +293,9 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
     cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))],
                      parallelism=parallelism, ac=ac, **debug)
     outs, trace = run_trainer(cfg)
-    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip, rows=rows)
+    degrees = parallelism or PARALLELISM
+    dp = degrees.get("data_parallel_replicate_degree", 1) * degrees.get("data_parallel_shard_degree", 1)
+    ref, ref_norms = torchao_reference("rowwise", dp, skip=skip, rows=rows)
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
         assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)

@@ -173,6 +173,9 @@ CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int, str]] =
     "default-pp2_fsdp2": ("default", (), PP2_FSDP2, 1, "none"),
     # full AC recomputes each block's float8 forward, scales included (spmd_types: layer 4, selective AC)
     "full_dtensor-pp2_fsdp2-ac_full": ("full_dtensor", (), PP2_FSDP2, 1, "full"),
+    # HSDP: four data-parallel ranks, each scaling its own rows
+    "default-hsdp2x2": ("default", (), {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}, 2,
+                        "none"),
 }
 
 
