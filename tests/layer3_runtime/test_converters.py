@@ -279,6 +279,15 @@ def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
         run_forked(_run, 2, job(str(tmp_path / "c"), from_hf=False), timeout_s=120)
 
 
+def test_adapters_only_over_a_dcp_base_is_a_setup_error() -> None:
+    from torchtitan_spmd.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match=r"lora_adapters_only cannot be used with a DCP initial_load_path") as err:
+        CheckpointConfig(lora_adapters_only=True, initial_load_path="/seed/step-0")
+    _one_line(err.value)
+    CheckpointConfig(lora_adapters_only=True, initial_load_path="/hf", initial_load_in_hf=True)
+
+
 def test_importing_torchao_drops_only_torchs_enum_warning() -> None:
     """torch 2.14's ``_pytree`` warns once a process that torchao 0.18 registers its enums as pytree
     constants; the library's import of torchao drops that record, and only it."""

@@ -880,7 +880,7 @@ class CheckpointManager:
         """Where this run's frozen base comes from, as an adapters-only checkpoint records it."""
         if self._hf_source() is not None:
             return f"Hugging Face {os.path.abspath(str(self._hf_source()))}"
-        if self.config.initial_load_path:
+        if self.config.initial_load_path:  # with lora_adapters_only a setup error (CheckpointConfig)
             return f"checkpoint {os.path.abspath(self.config.initial_load_path)}"
         return f"initialisation, debug.seed {self.record.get('seed')}"
 
@@ -894,10 +894,6 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {name} holds LoRA's adapters only, trained on the base from {want}; "
                              f"this run's base comes from {have}: start it from the same base "
                              "(checkpoint.initial_load_path, initial_load_in_hf, debug.seed).")
-        if have.startswith("checkpoint "):
-            raise ValueError(f"checkpoint {name} holds LoRA's adapters only, over a base from a DCP "
-                             "checkpoint.initial_load_path, which a resume does not reload: use a Hugging Face "
-                             "base (initial_load_in_hf) or save full checkpoints (no checkpoint.lora_adapters_only).")
 
     def _load_hf_base(self, path: str) -> None:
         """The model's entries but LoRA's adapters from the Hugging Face folder ``path``, into the model."""
