@@ -87,19 +87,27 @@ class _TorchaoEnumConstantFilter(logging.Filter):
         return not (isinstance(cls, type) and cls.__module__.startswith("torchao."))
 
 
-def import_torchao_float8(what: str) -> Any:
-    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra.
-    The first import drops torch's deprecation warning about torchao's enums
-    (:class:`_TorchaoEnumConstantFilter`), and only it, only while torchao is imported."""
+@contextlib.contextmanager
+def _quiet_torchao_enum_warning() -> Iterator[None]:
+    """Within it, torch's ``_pytree`` logger drops its warning about torchao's enums, and only it."""
     pytree_log = logging.getLogger("torch.utils._pytree")
     quiet = _TorchaoEnumConstantFilter()
     pytree_log.addFilter(quiet)
     try:
-        import torchao.float8 as float8
-    except ImportError:
-        raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from None
+        yield
     finally:
         pytree_log.removeFilter(quiet)
+
+
+def import_torchao_float8(what: str) -> Any:
+    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra.
+    The first import drops torch's deprecation warning about torchao's enums
+    (:class:`_TorchaoEnumConstantFilter`), and only it, only while torchao is imported."""
+    try:
+        with _quiet_torchao_enum_warning():
+            import torchao.float8 as float8
+    except ImportError:
+        raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from None
     return float8
 
 
