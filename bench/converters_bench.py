@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/converters_bench.py curves --flavor tiny --steps 50
     PYTHONPATH=. python bench/converters_bench.py time --flavor debugmodel --steps 8
     PYTHONPATH=. python bench/converters_bench.py memory --flavor debugmodel
+    PYTHONPATH=. python bench/converters_bench.py gpu [--dim 4096 --tokens 8192 --layers 4]
 
 ``curves``: FSDP 2 x TP 2 (4 forked gloo ranks), fp32, float8 rowwise emulated, LoRA (rank 8 on wq,
 wk, wv, wo) and float8 + LoRA, under each backend; prints each run's losses and the largest
@@ -10,6 +11,11 @@ relative loss gap after step 10 of float8 against fp32 and of float8 + LoRA agai
 ``time``: the mean step time (steps 3..N) of fp32 and float8 emulated, side by side in one process
 tree (``default``). ``memory``: the AdamW state bytes of LoRA against full fine-tuning (two fp32
 moments per trainable parameter), from the model built on the meta device.
+``gpu`` (the probe for a lent GPU, SM89+; ``--emulate`` runs it anywhere, small): one process, a stack
+of bf16 linears, torchao's own ``Float8Linear`` (rowwise, real ``_scaled_mm``) against the
+library's (``Float8LinearConverter``, the operand-by-operand matmul): the largest output and weight
+gradient difference (the same casts: expected 0), and eager forward + backward times of bf16,
+torchao's float8 and the library's float8.
 """
 
 from __future__ import annotations
@@ -102,14 +108,73 @@ def memory(flavor: str) -> dict[str, int]:
     return out
 
 
+def gpu_probe(dim: int, tokens: int, layers: int, emulate: bool, iters: int = 20) -> dict[str, Any]:
+    import copy
+    import dataclasses
+
+    import torch
+    import torchao.float8 as f8
+    from torch import nn
+
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+    from torchtitan_spmd.techniques.quantization import has_cuda_capability
+
+    if not emulate and not has_cuda_capability(8, 9):
+        raise SystemExit("converters_bench.py gpu: needs an SM89+ CUDA GPU (or --emulate).")
+    device = "cuda" if torch.cuda.is_available() and not emulate else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)]).to(device, dtype)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    convert_model(ours, build_converters([Float8LinearConverterConfig(emulate=emulate)]))
+    f8.convert_to_float8_training(theirs, config=dataclasses.replace(
+        f8.Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate))
+    x = torch.randn(tokens, dim, device=device, dtype=dtype)
+
+    def step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for p in model.parameters():
+            p.grad = None
+        out = model(x)
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad for p in model.parameters()]
+
+    (o1, g1), (o2, g2) = step(ours), step(theirs)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (emulated)",
+        "torch": torch.__version__, "torchao": getattr(__import__("torchao"), "__version__", "?"),
+        "output_max_abs_diff": float((o1.float() - o2.float()).abs().max()),
+        "weight_grad_max_abs_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1, g2, strict=True)),
+    }
+    for name, model in (("bf16" if dtype == torch.bfloat16 else "fp32", base), ("torchao_float8", theirs),
+                        ("library_float8", ours)):
+        for _ in range(3):
+            step(model)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(model)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        result[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
+    print(json.dumps(result))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["curves", "time", "memory"])
+    parser.add_argument("what", choices=["curves", "time", "memory", "gpu"])
     parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--backends", nargs="+", default=["default", "full_dtensor", "spmd_types"])
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--emulate", action="store_true", help="gpu: emulated float8 (any device)")
     args = parser.parse_args()
-    if args.what == "curves":
+    if args.what == "gpu":
+        gpu_probe(args.dim, args.tokens, args.layers, args.emulate)
+    elif args.what == "curves":
         curves(args.flavor, args.steps, args.backends)
     elif args.what == "time":
         step_time(args.flavor, args.steps)

@@ -642,6 +642,7 @@ class Trainer:
             sd_adapter=self._sd_adapter(), hf_assets_path=hf_config.hf_folder(cfg),
             other_stage_keys=self.pipeline.other_stage_keys if self.pipeline is not None else frozenset(),
             record={"model": f"{cfg.model.name}/{cfg.model.flavor}", "spmd_backend": cfg.parallelism.spmd_backend,
+                    "seed": self.seed,
                     "degrees": {"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp},
                     **({"optimizer_groups": self._optimizer_grouping()} if cfg.checkpoint.enable else {})},
         )

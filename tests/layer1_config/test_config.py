@@ -139,7 +139,7 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
 #: torchtitan's ``[training]`` fields before a0c831c49 moved them to ``dataloader``).
 OURS = {TrainingConfig: ["device", "dataset", "dataset_path"],
         ParallelismConfig: ["expert_tensor_parallel_degree"],
-        CheckpointConfig: ["trust_checkpoint_folder"]}
+        CheckpointConfig: ["trust_checkpoint_folder", "lora_adapters_only"]}
 #: Upstream b5bcd76's (August) fields, checked by tests/layer1_config/test_surface_august.py.
 for _cls, _names in {
     TrainingConfig: ["num_tokens_per_microbatch_per_dp_rank", "num_tokens_per_train_step", "max_context_length",

@@ -36,10 +36,12 @@ LOCAL_BATCH = 2
 
 
 def float8_job(backend: str, converters: list[Any], *, parallelism: dict[str, Any] | None = None,
-               steps: int = F8_STEPS, **debug: Any) -> JobConfig:
-    """The parity job (tiny Llama, fp32, deterministic) of ``backend`` with ``converters``."""
+               steps: int = F8_STEPS, ac: str = "none", **debug: Any) -> JobConfig:
+    """The parity job (tiny Llama, fp32, deterministic) of ``backend`` with ``converters``;
+    ``ac``: ``activation_checkpoint.mode``."""
     cfg = job_config(backend, parallelism or PARALLELISM, local_batch=LOCAL_BATCH, steps=steps, **debug)
     cfg.model.converters = list(converters)
+    cfg.activation_checkpoint.mode = ac
     cfg.validate()
     return cfg
 
@@ -199,6 +201,77 @@ def lora_probe(trainer: Any) -> dict[str, Any]:
     return {"result": result}
 
 
+#: transformers' names of the LoRA targets of :data:`LORA` (``wkv``: ``wk`` and ``wv``).
+_PEFT_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+
+
+@functools.cache
+def peft_reference(steps: int = F8_STEPS) -> tuple[tuple[tuple[str, float], ...], dict[str, tuple[Any, ...]]]:
+    """``peft``'s LoRA on transformers' ``LlamaForCausalLM`` (the tiny model's initial weights
+    through the family's Hugging Face names), trained single-process on the parity job's global
+    batches with ``torch.optim.AdamW`` on the adapters alone: ``((adapter, step-1 gradient norm),
+    ...)`` and the trained adapters ``{our name: values}`` (transformers' row order of ``wq``/``wk``
+    mapped back). The adapters start from the LoRA model's ``lora_a`` (its initialisation) and
+    zeros, as ours; nothing else is shared with the library's LoRA."""
+    import peft
+    import transformers
+
+    from torchtitan_spmd import reference
+    from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+
+    cfg = float8_job("default", [LORA], steps=steps)
+    spec, seed, vocab = get_model_spec("llama3"), cfg.debug.seed, 320
+    ours = spec.build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    base = {k: v.detach().clone() for k, v in ours.state_dict().items()}
+    convert_model(ours, build_converters([LORA]))
+    adapter = spec.state_dict_adapter(spec.model_config(cfg.model.flavor, vocab_size=vocab,
+                                                        max_seq_len=cfg.training.seq_len))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(adapter.hf_config("float32")))
+    hf.load_state_dict(adapter.to_hf(base), strict=True)
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0,
+                                                    target_modules=list(_PEFT_TARGETS.values()), bias="none"))
+    names: dict[str, Any] = {}  # our adapter name -> peft's module (lora_A / lora_B)
+    for fqn, module in ours.named_modules():
+        leaf = fqn.rpartition(".")[2]
+        if leaf not in _PEFT_TARGETS:
+            continue
+        layer = fqn.split(".")[1]
+        target = model.base_model.model.model.layers[int(layer)].self_attn.get_submodule(_PEFT_TARGETS[leaf])
+        names[f"{fqn}.lora_a"], names[f"{fqn}.lora_b"] = target.lora_A["default"], target.lora_B["default"]
+        with torch.no_grad():
+            target.lora_A["default"].weight.copy_(ours.initial_value(f"{fqn}.lora_a", tuple(module.lora_a.shape), seed))
+            target.lora_B["default"].weight.zero_()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(names) == 16, (len(trainable), len(names))
+    opt_cfg = cfg.optimizer
+    opt = torch.optim.AdamW(trainable, lr=opt_cfg.lr, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                            betas=reference.ADAMW_BETAS, foreach=False)
+    grad_norms: tuple[tuple[str, float], ...] = ()
+    for step, (tokens, labels) in enumerate(reference.global_batches(cfg, 2 * LOCAL_BATCH, seed)):
+        for group in opt.param_groups:
+            group["lr"] = opt_cfg.lr * reference.lr_factor(
+                step, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=steps,
+                min_lr_factor=cfg.lr_scheduler.min_lr_factor, decay_ratio=cfg.lr_scheduler.decay_ratio,
+                decay_type=cfg.lr_scheduler.decay_type)
+        logits = model(input_ids=tokens).logits
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+        if step == 0:
+            grad_norms = tuple((n, float(m.weight.grad.norm())) for n, m in names.items())
+        torch.nn.utils.clip_grad_norm_(trainable, float(cfg.training.max_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trained = {}
+    for name, module in names.items():
+        value = module.weight.detach()
+        if name.endswith("lora_b"):  # transformers' rows of wq and wk -> ours (the family's permutation)
+            rows = adapter.hf_rows(name.replace(".lora_b", ".weight"), value.shape[0])
+            if rows is not None:
+                value = value[torch.argsort(rows)]
+        trained[name] = tuple(value.reshape(-1).tolist())
+    return grad_norms, trained
+
+
 #: Relative tolerance of the sharded float8 run against torchao's single-process model: the scales
 #: are the same, so only float32 summation order differs (measured 1e-7 .. 7e-7).
 F8_TOL = 1e-5
@@ -208,7 +281,7 @@ LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"
 
 
 def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
-                        rows: int = LOCAL_BATCH, **debug: Any) -> None:
+                        rows: int = LOCAL_BATCH, ac: str = "none", **debug: Any) -> None:
     """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
     on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
     The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
@@ -218,9 +291,11 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
 
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
     cfg = float8_job(backend, [Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))],
-                     parallelism=parallelism, **debug)
+                     parallelism=parallelism, ac=ac, **debug)
     outs, trace = run_trainer(cfg)
-    ref, ref_norms = torchao_reference("rowwise", 2, skip=skip, rows=rows)
+    degrees = parallelism or PARALLELISM
+    dp = degrees.get("data_parallel_replicate_degree", 1) * degrees.get("data_parallel_shard_degree", 1)
+    ref, ref_norms = torchao_reference("rowwise", dp, skip=skip, rows=rows)
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
         assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)
@@ -233,10 +308,12 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
         assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
 
 
-def check_lora(tmp_path: Any, backend: str) -> None:
-    """LoRA (rank 4 on wq, wk, wv, wo) at FSDP 2 x TP 2, 3 steps, then the Hugging Face export: the
-    frozen base is bit-identical to its initial weights, every adapter moved, only the adapters
-    hold optimizer state, and transformers' logits of the merged export equal the LoRA model's."""
+def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, **debug: Any) -> None:
+    """LoRA (rank 4 on wq, wk, wv, wo; after float8 emulated with ``float8=True``, as upstream's
+    ``llama3_debugmodel_float8_emulate_lora``) at FSDP 2 x TP 2, 3 steps, then the Hugging Face
+    export: the frozen base is bit-identical to its initial weights, every adapter moved, only the
+    adapters hold optimizer state, and transformers' logits of the merged export equal the LoRA
+    model's (in high precision: the export holds the weights, not float8)."""
     from parity_helpers import skip_full_dtensor_on_old_torch
     from transformers import AutoModelForCausalLM
 
@@ -245,23 +322,39 @@ def check_lora(tmp_path: Any, backend: str) -> None:
 
     if backend == "full_dtensor":
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    cfg = float8_job(backend, [LORA])
+    converters = [Float8LinearConverterConfig(emulate=True), LORA] if float8 else [LORA]
+    cfg = float8_job(backend, converters, **debug)
     cfg.job.dump_folder = str(tmp_path)
     cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
     cfg.checkpoint.last_save_in_hf, cfg.checkpoint.export_dtype = True, "float32"
     cfg.validate()
-    outs, _ = run_trainer(cfg, probe="float8_helpers:lora_probe")
+    outs, trace = run_trainer(cfg, probe="float8_helpers:lora_probe")
     probe = outs[0]["probe"]
     weights = {k: torch.tensor(v) for k, v in probe["weights"].items()}
     adapters = sorted(k for k in weights if k.endswith(("lora_a", "lora_b")))
     assert len(adapters) == 2 * 4 * 2  # 2 blocks x (wq, wk, wv, wo) x (a, b)
-    assert probe["trainable"] == probe["with_state"] == adapters
+    for what in ("trainable", "with_state"):  # the frozen base: no gradient, no optimizer state
+        extra = sorted(set(probe[what]) - set(adapters))
+        assert probe[what] == adapters, f"{what}: {len(extra)} beyond the adapters, e.g. {extra[:2]}"
     start = initial_weights("llama3", "tiny", cfg.debug.seed, 320)
     for name, value in start.items():
         if name in weights:
             assert torch.equal(weights[name], value), f"the frozen {name} moved"
     for name in adapters:
         assert not torch.equal(weights[name], torch.zeros_like(weights[name])) and weights[name].abs().sum() > 0
+    if not float8:  # against peft's LoRA on transformers' model: the step-1 gradients and the trained adapters
+        pytest.importorskip("peft", reason="the LoRA parity judge is peft (dev extra)")
+        peft_norms, peft_trained = peft_reference()
+        for name, want in peft_norms:
+            assert trace.grad_norms[name] == pytest.approx(want, rel=F8_TOL), (backend, name, trace.grad_norms[name], want)
+        worst = 0.0  # each adapter's largest difference against its largest value: AdamW divides by
+        # sqrt(v), so an element whose gradient is near zero moves by the ratio of two float32 roundings
+        for name, values in peft_trained.items():
+            want_t = torch.tensor(values).reshape(weights[name].shape)
+            gap = float((weights[name] - want_t).abs().max() / want_t.abs().max())
+            worst = max(worst, gap)
+            assert gap < 2e-4, (backend, name, gap)
+        print(f"\n{backend}: LoRA vs peft after {F8_STEPS} steps: adapters max rel {worst:.1e}")
     # the LoRA model (unmerged, one process) against transformers on the merged export
     from torchtitan_spmd.models import get_model_spec
 

@@ -164,19 +164,25 @@ def test_filter_fqns_and_upstream_names() -> None:
 
 
 # ----------------------------------------------------------------------------- float8 parity
-CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int]] = {
+PP2_FSDP2 = {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}
+CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int, str]] = {
     # id: (backend, filter_fqns (also the judge's unconverted linears), parallelism (None: FSDP 2 x TP 2),
-    #      rows a forward: a pipeline microbatch has its own scales)
-    "default-fsdp2_tp2": ("default", (), None, 2),
-    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",), None, 2),
-    "default-pp2_fsdp2": ("default", (), {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1),
+    #      rows a forward: a pipeline microbatch has its own scales, activation_checkpoint.mode)
+    "default-fsdp2_tp2": ("default", (), None, 2, "none"),
+    "full_dtensor-fsdp2_tp2-filter_output": ("full_dtensor", ("output",), None, 2, "none"),
+    "default-pp2_fsdp2": ("default", (), PP2_FSDP2, 1, "none"),
+    # full AC recomputes each block's float8 forward, scales included (spmd_types: layer 4, selective AC)
+    "full_dtensor-pp2_fsdp2-ac_full": ("full_dtensor", (), PP2_FSDP2, 1, "full"),
+    # HSDP: four data-parallel ranks, each scaling its own rows
+    "default-hsdp2x2": ("default", (), {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}, 2,
+                        "none"),
 }
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
-    backend, skip, parallelism, rows = CELLS[cell]
-    check_float8_parity(cell, backend, skip, parallelism, rows)
+    backend, skip, parallelism, rows, ac = CELLS[cell]
+    check_float8_parity(cell, backend, skip, parallelism, rows, ac=ac)
 
 
 def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
@@ -209,6 +215,98 @@ def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
 
 
 # ----------------------------------------------------------------------------- LoRA
-@pytest.mark.parametrize("backend", ["default", "full_dtensor"])  # spmd_types: layer 4's test_converters_spmd.py
-def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str) -> None:
-    check_lora(tmp_path, backend)
+# LoRA alone under default; upstream's float8 + LoRA recipe's converters under full_dtensor (and,
+# type-checked, under spmd_types: layer 4's test_converters_spmd.py)
+@pytest.mark.parametrize(("backend", "float8"), [("default", False), ("full_dtensor", True)])
+def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend: str, float8: bool) -> None:
+    check_lora(tmp_path, backend, float8=float8)
+
+
+# ----------------------------------------------------------------------------- LoRA checkpoints
+def _run(rank: int, world: int, cfg: Any) -> list[float]:
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return [r.loss for r in trainer.run()]
+    finally:
+        trainer.close()
+
+
+def test_lora_adapters_only_checkpoints_resume_exactly(tmp_path: Any) -> None:
+    """``checkpoint.lora_adapters_only`` over a Hugging Face base (``initial_load_in_hf``, weights of
+    another seed than the job's): the checkpoints hold the adapters (and the training state), no
+    base weight; a run resumed from one reads the base again from the folder and continues with the
+    losses of the run that was not stopped; a resume onto another base is one line naming both."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from float8_helpers import LORA, float8_job
+    from parity_helpers import warm_parent
+
+    from torchtitan_spmd.checkpoint.hf import save_hf
+    from torchtitan_spmd.launcher import WorkerError, run_forked
+    from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.reference import initial_weights
+
+    spec, hf = get_model_spec("llama3"), tmp_path / "hf"
+    save_hf(initial_weights("llama3", "tiny", 99, 320), str(hf),
+            spec.state_dict_adapter(spec.model_config("tiny", vocab_size=320)), dtype="float32")
+
+    def job(folder: str, from_hf: bool = True) -> Any:
+        cfg = float8_job("default", [LORA], parallelism={"data_parallel_shard_degree": 2}, steps=4)
+        cfg.job.dump_folder = folder
+        cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.lora_adapters_only = True, 2, True
+        cfg.checkpoint.last_save_model_only = False
+        cfg.checkpoint.initial_load_in_hf, cfg.checkpoint.initial_load_path = from_hf, str(hf) if from_hf else None
+        cfg.validate()
+        return cfg
+
+    warm_parent()
+    whole = run_forked(_run, 2, job(str(tmp_path / "a")), timeout_s=120)[0]
+    step2 = tmp_path / "a" / "checkpoint" / "step-2"
+    keys = set(dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.split(".", 1)[0] in ("layers", "output", "norm", "tok_embeddings")}
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), sorted(model_keys)[:4]
+    assert len(model_keys) == 16  # 2 blocks x (wq, wk, wv, wo) x (a, b)
+    assert any(k.startswith("optimizer.state.") and k.endswith(".lora_a.exp_avg") for k in keys)
+    shutil.copytree(step2, tmp_path / "b" / "checkpoint" / "step-2")
+    resumed = run_forked(_run, 2, job(str(tmp_path / "b")), timeout_s=120)[0]
+    assert resumed == whole[2:], (resumed, whole)
+    shutil.copytree(step2, tmp_path / "c" / "checkpoint" / "step-2")
+    with pytest.raises(WorkerError, match=r"holds LoRA's adapters only, trained on the base from Hugging Face "
+                                          r".*/hf; this run's base comes from initialisation, debug.seed 1234"):
+        run_forked(_run, 2, job(str(tmp_path / "c"), from_hf=False), timeout_s=120)
+
+
+def test_adapters_only_over_a_dcp_base_is_a_setup_error() -> None:
+    from torchtitan_spmd.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match=r"lora_adapters_only cannot be used with a DCP initial_load_path") as err:
+        CheckpointConfig(lora_adapters_only=True, initial_load_path="/seed/step-0")
+    _one_line(err.value)
+    CheckpointConfig(lora_adapters_only=True, initial_load_path="/hf", initial_load_in_hf=True)
+
+
+def test_importing_torchao_drops_only_torchs_enum_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """torch 2.14's ``_pytree`` warns when torchao 0.18 registers its ``KernelPreference`` enum as a
+    pytree constant (at import). Torch's own ``register_constant`` on a str Enum of a torchao
+    module, as torchao's: the warning within the library's import context is dropped, outside it
+    (and for another package's enum within it) it is logged."""
+    import enum
+    import logging
+
+    from torchtitan_spmd.techniques.quantization import _quiet_torchao_enum_warning
+
+    def register(module: str) -> list[str]:
+        cls = enum.Enum("KernelPreference", {"AUTO": "auto"}, module=module, type=str)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch.utils._pytree"):
+            torch.utils._pytree.register_constant(cls)
+        return [r.getMessage() for r in caplog.records if "is an Enum subclass" in r.getMessage()]
+
+    assert len(register("torchao.quantization.fake")) == 1  # torch still warns (else this test is moot)
+    with _quiet_torchao_enum_warning():
+        assert register("torchao.quantization.fake") == []
+        assert len(register("someone_else")) == 1
+    assert len(register("torchao.quantization.fake")) == 1  # only while torchao is imported

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import spmd_helpers  # noqa: F401 - puts layer 3's helpers on the path
+import torch
 
 pytest.importorskip("torchao.float8", reason='float8 needs the float8 extra: pip install -e ".[float8]"')
 
@@ -20,5 +21,60 @@ def test_float8_type_checked_matches_torchaos_single_process_model() -> None:
     check_float8_parity("spmd_types-fsdp2_tp2-typechecked", "spmd_types", (), spmd_typechecking=True)
 
 
-def test_lora_trains_only_the_adapters_and_exports_merged_spmd_types(tmp_path: Any) -> None:
-    check_lora(tmp_path, "spmd_types")
+def test_float8_pp_selective_ac_matches_torchaos_single_process_model() -> None:
+    """PP 2 x FSDP 2 with selective activation checkpointing, type-checked: each stage's float8
+    linears on typed local shards (no tp: nothing to reduce), one row a microbatch."""
+    check_float8_parity("spmd_types-pp2_fsdp2-ac_selective-typechecked", "spmd_types", (),
+                        {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1, ac="selective",
+                        spmd_typechecking=True)
+
+
+def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
+    """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
+    adapters' pending sum over tp goes through a matmul the checker knows to be linear."""
+    check_lora(tmp_path, "spmd_types", float8=True, spmd_typechecking=True)
+
+
+def _dropped_amax_step(rank: int, world: int, cfg: Any) -> str | None:
+    """One type-checked step with every float8 linear's amax reduction over tp dropped (the plant:
+    each rank scales by the amax of its own shard); the checker's first line, or None."""
+    from spmd_types import SpmdTypeError
+
+    from torchtitan_spmd.techniques import quantization
+    from torchtitan_spmd.train import Trainer
+
+    trainer = Trainer(cfg)
+    dropped = 0
+    for module in trainer.model.modules():
+        if isinstance(module, quantization.Float8Linear) and module.amax_reduce is not None:
+            def local_only(amax: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+                return amax
+
+            local_only.local_amax = module.amax_reduce.local_amax  # type: ignore[attr-defined]
+            module.amax_reduce = local_only
+            dropped += 1
+    assert dropped == 15, dropped  # 2 blocks x (wq, wk, wv, wo, w1, w2, w3), and the output
+    try:
+        trainer.step(1)
+    except SpmdTypeError as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def test_type_checker_catches_a_dropped_amax_reduction() -> None:
+    """The plant the checker exists for: float8 scales taken over a rank's shard of a tp-sharded
+    axis (no max over tp). Untyped, that trains with wrong scales (the losses barely show it:
+    layer 3's per-scale test does); type-checked, it is an ``SpmdTypeError`` at the first row-wise
+    float8 matmul, whose pending sum over tp the varying scales would multiply."""
+    from float8_helpers import float8_job
+    from parity_helpers import warm_parent
+
+    from torchtitan_spmd.config.converters import Float8LinearConverterConfig
+    from torchtitan_spmd.launcher import run_forked
+
+    warm_parent()
+    cfg = float8_job("spmd_types", [Float8LinearConverterConfig(emulate=True)],
+                     parallelism={"tensor_parallel_degree": 2}, steps=1, spmd_typechecking=True)
+    errors = run_forked(_dropped_amax_step, 2, cfg, timeout_s=120)
+    assert errors[0] is not None and errors == [errors[0]] * 2, errors
+    assert "shards both 'k' and 'z' in 'bsk,kn,bsz,zn->bsn'" in errors[0], errors[0]

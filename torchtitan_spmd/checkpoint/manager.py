@@ -472,6 +472,11 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.exclude_from_loading: unknown {unknown}; the entries are "
                              f"{', '.join(map(repr, LOADABLE_ENTRIES))} (the model is always loaded).")
         check_supported(config)  # the support table: async_mode, quantized Hugging Face loads
+        #: LoRA's adapter entries (``layers.0.attention.wq.lora_a``, ...); empty without LoRA.
+        self.adapter_keys = frozenset(f"{fqn}.{a}" for fqn in lora.lora_scalings(model) for a in lora.ADAPTERS)
+        if config.lora_adapters_only and config.enable and not self.adapter_keys:
+            raise ValueError("checkpoint.lora_adapters_only: the model has no LoRA adapters "
+                             "(add LoRAConverter to model.converters, or leave it False).")
         self.async_mode = config.async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -487,13 +492,17 @@ class CheckpointManager:
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
     # ------------------------------------------------------------------ state dicts
-    def _model_state(self) -> dict[str, Any]:
-        """The model's entries, flat (``tok_embeddings.weight``, ...), as DTensors of global shape."""
-        return {k: self.views.wrap(k, v, k, None) for k, v in get_model_state_dict(self.model).items()}
+    def _model_state(self, part: str = "all") -> dict[str, Any]:
+        """The model's entries, flat (``tok_embeddings.weight``, ...), as DTensors of global shape:
+        all of them, LoRA's ``"adapters"`` alone, or the ``"base"`` without them."""
+        state = get_model_state_dict(self.model)
+        if part != "all":
+            state = {k: v for k, v in state.items() if (k in self.adapter_keys) == (part == "adapters")}
+        return {k: self.views.wrap(k, v, k, None) for k, v in state.items()}
 
-    def _states(self, model_only: bool, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    def _states(self, model_only: bool, exclude: tuple[str, ...] = (), part: str = "all") -> dict[str, Any]:
         self.views.originals.clear()
-        states = self._model_state()
+        states = self._model_state(part)
         if not model_only:
             states.update({k: v for k, v in self.states.items() if k not in exclude})
         return states
@@ -544,8 +553,11 @@ class CheckpointManager:
                 error = err
         self._stop_if_failed(step, partial, error)  # also the barrier before DCP's collectives
         self.train_state.step = step
-        states = self._states(model_only)
-        if model_only and step != 0 and self.config.last_save_in_hf:  # LoRA: the adapters merged into the weights
+        hf_export = model_only and step != 0 and self.config.last_save_in_hf
+        # LoRA's adapters alone (not a seed checkpoint, not the Hugging Face export, which merges them)
+        adapters_only = self.config.lora_adapters_only and step != 0 and not hf_export
+        states = self._states(model_only, part="adapters" if adapters_only else "all")
+        if hf_export:  # LoRA: the adapters merged into the weights
             states = lora.merged_state_dict(states, lora.lora_scalings(self.model))
         if model_only:
             dtype = getattr(torch, self.config.export_dtype)
@@ -553,7 +565,8 @@ class CheckpointManager:
                       for k, v in states.items()}
         record = {**self.record, "step": step, "model_only": model_only, "format": FORMAT_VERSION,
                   "world_size": self.world_size, "torch": torch.__version__,
-                  "export_dtype": self.config.export_dtype if model_only else None}
+                  "export_dtype": self.config.export_dtype if model_only else None,
+                  **({"lora_adapters_only": True, "lora_base": self._base_source()} if adapters_only else {})}
         if model_only and step != 0 and self.config.last_save_in_hf and self.sd_adapter is not None:
             try:
                 hf_checkpoint.save_hf(states, partial, self.sd_adapter, dtype=self.config.export_dtype)
@@ -867,16 +880,16 @@ class CheckpointManager:
         begin = time.monotonic()
         name = os.path.basename(os.path.normpath(path))
         exclude = tuple(self.config.exclude_from_loading)
-        states = self._states(model_only, exclude)
-        if self.config.initial_load_in_hf and path == (self.config.initial_load_path or self.hf_assets_path):
-            assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
-            try:
-                hf_checkpoint.load_hf(states, path, self.sd_adapter)
-            except ValueError:  # one line already (a missing tensor, a link, a malformed header)
-                raise
-            except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
-                raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
-            return self._loaded(states, path, saved_step, model_only, ignored, begin)
+        if self._hf_source() == path:
+            self._load_hf_base(path)  # an HF folder holds no adapters: they keep their initialisation
+            return self._loaded({}, path, saved_step, model_only, ignored, begin)
+        adapters_only = bool(record.get("lora_adapters_only", False))
+        if adapters_only:
+            self._check_base(name, record)
+            source = self._hf_source()
+            if source is not None:  # the frozen base first, from where the run started
+                self._load_hf_base(source)
+        states = self._states(model_only, exclude, part="adapters" if adapters_only else "all")
         self._verify(path, record, fallbacks)
         if OPTIMIZER in states and "optimizer_groups" in record:  # the param groups it was saved with
             try:
@@ -927,6 +940,57 @@ class CheckpointManager:
             self._check_against(path, metadata, self._states(True), record)
         raise _agreed(ValueError(message))
 
+    def _hf_source(self) -> str | None:
+        """The Hugging Face folder the run starts from (``initial_load_in_hf``), or None."""
+        cfg = self.config
+        return (cfg.initial_load_path or self.hf_assets_path) if cfg.initial_load_in_hf else None
+
+    def _base_source(self) -> str:
+        """Where this run's frozen base comes from, as an adapters-only checkpoint records it."""
+        if self._hf_source() is not None:
+            return f"Hugging Face {os.path.abspath(str(self._hf_source()))}"
+        if self.config.initial_load_path:  # with lora_adapters_only a setup error (CheckpointConfig)
+            return f"checkpoint {os.path.abspath(self.config.initial_load_path)}"
+        return f"initialisation, debug.seed {self.record.get('seed')}"
+
+    def _check_base(self, name: str, record: Mapping[str, Any]) -> None:
+        """An adapters-only checkpoint loads onto the base it was trained on, from the same source."""
+        if not self.adapter_keys:
+            raise ValueError(f"checkpoint {name} holds LoRA's adapters only (checkpoint.lora_adapters_only), "
+                             "and this model has none: add the run's LoRAConverter to model.converters.")
+        want, have = record.get("lora_base"), self._base_source()
+        if want != have:
+            raise ValueError(f"checkpoint {name} holds LoRA's adapters only, trained on the base from {want}; "
+                             f"this run's base comes from {have}: start it from the same base "
+                             "(checkpoint.initial_load_path, initial_load_in_hf, debug.seed).")
+
+    def _load_hf_base(self, path: str) -> None:
+        """The model's entries but LoRA's adapters from the Hugging Face folder ``path``, into the model."""
+        assert self.sd_adapter is not None, "initial_load_in_hf needs the family's sd_adapter"
+        name = os.path.basename(os.path.normpath(path))
+        states = self._states(True, part="base")
+        try:
+            hf_checkpoint.load_hf(states, path, self.sd_adapter)
+        except ValueError:  # one line already (a missing tensor, a link, a malformed header)
+            raise
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
+        self._set_model(states, path)
+
+    def _set_model(self, states: dict[str, Any], path: str) -> None:
+        """Set the model from the model entries of ``states`` (all of them, or only its base or adapters)."""
+        model_state = {k: v for k, v in states.items() if k not in self.states}
+        if not model_state:
+            return
+        partial = self.adapter_keys and set(model_state) != set(get_model_state_dict(self.model))
+        try:
+            set_model_state_dict(self.model, self.views.unwrap(model_state),
+                                 options=StateDictOptions(strict=not partial))
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            raise CheckpointLoadError(os.path.basename(os.path.normpath(path)),
+                                      *integrity.describe_load_failure(err, path)) from None
+        self.views.originals.clear()
+
     def _trust(self, path: str) -> bool:
         """``checkpoint.trust_checkpoint_folder``, with its warning naming the folder ``path``."""
         if not self.config.trust_checkpoint_folder:
@@ -941,13 +1005,7 @@ class CheckpointManager:
                 ignored: list[str], begin: float) -> int:
         """Set the model from the loaded ``states``; record and log the load; the step to continue after."""
         exclude = tuple(self.config.exclude_from_loading)
-        name = os.path.basename(os.path.normpath(path))
-        try:
-            model_state = {k: v for k, v in states.items() if k not in self.states}
-            set_model_state_dict(self.model, self.views.unwrap(model_state))
-        except Exception as err:  # noqa: BLE001 - one line naming the file
-            raise CheckpointLoadError(name, *integrity.describe_load_failure(err, path)) from None
-        self.views.originals.clear()
+        self._set_model(states, path)
         resumed = 0 if model_only or TRAIN_STATE in exclude else self.train_state.step
         seconds = time.monotonic() - begin
         self.loaded = {"path": path, "step": saved_step, "model_only": model_only, "ignored": ignored,

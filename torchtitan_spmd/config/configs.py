@@ -939,6 +939,15 @@ class CheckpointConfig(Section):
     ``docs/checkpoint-trust.md``). Only for metadata the allow-list misses (a newer torch's
     class) in a folder you trust; the load warns, naming the folder."""
 
+    lora_adapters_only: bool = False
+    """With a ``LoRAConverter``: checkpoints hold the model's LoRA adapters alone (with the
+    optimizer and the rest of the training state), not the frozen base, which a resume takes
+    again from where the run started (``initial_load_in_hf``, or the initialisation of
+    ``debug.seed``; a resume onto another base is a setup error, and so is a DCP
+    ``initial_load_path``, which a resume does not reload). The seed checkpoint and the
+    Hugging Face export (``last_save_in_hf``, the adapters merged) hold the whole model. This
+    library's field; upstream saves the whole model."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require(bool(self.folder.strip()), "folder", "cannot be empty")
@@ -955,6 +964,10 @@ class CheckpointConfig(Section):
         self._require("model" not in self.exclude_from_loading, "exclude_from_loading",
                       "cannot contain 'model'")
         self._require(self.load_step >= -1, "load_step", "must be a step >= 0, or -1 for the newest")
+        self._require(not (self.lora_adapters_only and self.initial_load_path and not self.initial_load_in_hf),
+                      "lora_adapters_only", "cannot be used with a DCP initial_load_path: a resume from an "
+                      "adapters-only checkpoint reloads its base only from a Hugging Face folder "
+                      "(initial_load_in_hf) or the initialisation; save full checkpoints instead")
 
 
 @dataclass(kw_only=True)

@@ -57,7 +57,10 @@ def _lora_class(base: type[nn.Module]) -> type[nn.Module]:
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             out = super().forward(input)
-            return out + self.lora_scaling * F.linear(F.linear(input, self.lora_a), self.lora_b)
+            # the second product as a matmul: under a row-wise base ``F.linear(input, lora_a)`` is a
+            # pending sum over tp, which spmd_types' checker lets through a matmul (multilinear)
+            # but not through ``F.linear``, which it does not know to be linear
+            return out + self.lora_scaling * torch.matmul(F.linear(input, self.lora_a), self.lora_b.t())
 
     LoRALinear.__name__ = LoRALinear.__qualname__ = f"LoRA{base.__name__}"
     _CLASSES[base] = LoRALinear

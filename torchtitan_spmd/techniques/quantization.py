@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -72,10 +73,39 @@ FLOAT8_EXTRA = 'pip install -e ".[float8]"'
 UPSTREAM_MODULE_NAMES: dict[str, tuple[str, ...]] = {"lm_head": ("output",), "wkv": ("wk", "wv")}
 
 
-def import_torchao_float8(what: str) -> Any:
-    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra."""
+class _TorchaoEnumConstantFilter(logging.Filter):
+    """Drops one log record: torch >= 2.14's ``_pytree`` warning that torchao registers its own
+    enums (``KernelPreference``) with ``register_constant``, which torch now deprecates for
+    Enums (it treats them natively). torchao 0.18.0 does it as it is imported; nothing in this
+    library or a job can act on it, and it is printed once per process, on every rank. Any other
+    record, and this warning about a class that is not torchao's, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("%s is an Enum subclass and is now natively supported"):
+            return True
+        cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (isinstance(cls, type) and cls.__module__.startswith("torchao."))
+
+
+@contextlib.contextmanager
+def _quiet_torchao_enum_warning() -> Iterator[None]:
+    """Within it, torch's ``_pytree`` logger drops its warning about torchao's enums, and only it."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    quiet = _TorchaoEnumConstantFilter()
+    pytree_log.addFilter(quiet)
     try:
-        import torchao.float8 as float8
+        yield
+    finally:
+        pytree_log.removeFilter(quiet)
+
+
+def import_torchao_float8(what: str) -> Any:
+    """``torchao.float8``, or ImportError in one line naming ``what`` needs it and the extra.
+    The first import drops torch's deprecation warning about torchao's enums
+    (:class:`_TorchaoEnumConstantFilter`), and only it, only while torchao is imported."""
+    try:
+        with _quiet_torchao_enum_warning():
+            import torchao.float8 as float8
     except ImportError:
         raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from None
     return float8
@@ -150,8 +180,10 @@ def _float8_linear_class() -> type[nn.Module]:
 
         ``tp_weight_shard_dim`` (0: column-wise, 1: row-wise, None: not sharded) and
         ``amax_reduce`` (the ``max`` over ``tp``) are set by :func:`bind_float8_shards` after
-        the plan sharded the weight. DTensor weights (``full_dtensor``) and unsharded ones run
-        torchao's own forward as it is.
+        the plan sharded the weight. Every forward is torchao's (its autocast cast of the input,
+        the matmul, the bias) with the matmul run operand by operand by :func:`sharded_float8_matmul`,
+        sharded or not: one path, whose autograd Function carries the type rule ``spmd_types``'
+        checker needs (torchao's own Function has none: "not registered for SPMD type checking").
         """
 
         tp_weight_shard_dim: int | None = None
@@ -160,12 +192,13 @@ def _float8_linear_class() -> type[nn.Module]:
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             from torch.distributed.tensor import DTensor
 
+            if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast dtype
+                input = input.to(torch.get_autocast_gpu_dtype())
             if isinstance(self.weight, DTensor):
                 return _dtensor_forward(self, input)
-            if self.tp_weight_shard_dim is None:
-                return super().forward(input)
+            sharded = self.tp_weight_shard_dim
             out = sharded_float8_matmul(input, self.weight.t(), self.linear_mm_config, self.config,
-                                        1 - self.tp_weight_shard_dim, self.amax_reduce)
+                                        None if sharded is None else 1 - sharded, self.amax_reduce)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out
@@ -410,51 +443,42 @@ def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
 
 
 # ----------------------------------------------------------------------------- needing newer GPUs
-class Float8GroupedExpertsConverter(QuantizationConverter):
-    """Upstream's ``Float8GroupedExpertsConverter`` (float8 grouped GEMMs of the MoE experts): SM89+."""
+class _NeedsNewerGpu(QuantizationConverter):
+    """A converter accepted by upstream's name and not built here: construction checks torchao and the
+    GPU it needs (one line each), then says it is not built (one line)."""
 
-    Config: ClassVar[type[Float8GroupedExpertsConverterConfig]] = Float8GroupedExpertsConverterConfig
+    #: (what needs torchao, (major, minor) compute capability, what needs that GPU, the "not built" line)
+    needs: ClassVar[tuple[str, tuple[int, int], str, str]]
 
-    def __init__(self, config: Float8GroupedExpertsConverterConfig) -> None:
+    def __init__(self, config: QuantizationConverterConfig) -> None:
         super().__init__(config)
-        import_torchao_float8("Float8GroupedExpertsConverter (float8 MoE training)")
-        _needs_sm("Float8GroupedExpertsConverter", 8, 9, "float8 grouped GEMMs (not emulated)")
-        raise ValueError("Float8GroupedExpertsConverter: float8 grouped GEMMs of the experts are not "
-                                  "built in this library yet (the dense linears are: Float8LinearConverter).")
+        name = type(self).__name__
+        torchao_use, (major, minor), gpu_use, unbuilt = self.needs
+        import_torchao_float8(f"{name} ({torchao_use})")
+        _needs_sm(name, major, minor, gpu_use)
+        raise ValueError(f"{name}: {unbuilt}.")
 
 
-class MXFP8LinearConverter(QuantizationConverter):
-    """Upstream's ``MXFP8LinearConverter``: SM100+."""
-
-    Config: ClassVar[type[MXFP8LinearConverterConfig]] = MXFP8LinearConverterConfig
-
-    def __init__(self, config: MXFP8LinearConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("MXFP8LinearConverter (MXFP8 training)")
-        _needs_sm("MXFP8LinearConverter", 10, 0, "MXFP8 matmuls")
-        raise ValueError("MXFP8LinearConverter: MXFP8 training is not built in this library yet.")
+def _needing_newer_gpu(name: str, config: type[QuantizationConverterConfig],
+                       needs: tuple[str, tuple[int, int], str, str]) -> type[_NeedsNewerGpu]:
+    major, minor = needs[1]
+    doc = f"Upstream's ``{name}`` ({needs[0]}): SM{major}{minor}+, and not built here."
+    cls = type(name, (_NeedsNewerGpu,), {"Config": config, "needs": needs, "__doc__": doc, "__module__": __name__})
+    return cls
 
 
-class MXFP8GroupedExpertsConverter(QuantizationConverter):
-    """Upstream's ``MXFP8GroupedExpertsConverter``: SM100+."""
-
-    Config: ClassVar[type[MXFP8GroupedExpertsConverterConfig]] = MXFP8GroupedExpertsConverterConfig
-
-    def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
-        _needs_sm("MXFP8GroupedExpertsConverter", 10, 0, "MXFP8 grouped GEMMs")
-        raise ValueError("MXFP8GroupedExpertsConverter: MXFP8 grouped GEMMs are not built in this "
-                                  "library yet.")
-
-
-class NVFP4LinearConverter(QuantizationConverter):
-    """Upstream's ``NVFP4LinearConverter`` (b5bcd76): SM100+."""
-
-    Config: ClassVar[type[NVFP4LinearConverterConfig]] = NVFP4LinearConverterConfig
-
-    def __init__(self, config: NVFP4LinearConverterConfig) -> None:
-        super().__init__(config)
-        import_torchao_float8("NVFP4LinearConverter (NVFP4 training)")
-        _needs_sm("NVFP4LinearConverter", 10, 0, "NVFP4 matmuls")
-        raise ValueError("NVFP4LinearConverter: NVFP4 training is not built in this library yet.")
+#: Upstream's converters this library accepts by name only: (name, config, needs).
+_NEWER_GPU = (
+    ("Float8GroupedExpertsConverter", Float8GroupedExpertsConverterConfig,
+     ("float8 MoE training", (8, 9), "float8 grouped GEMMs (not emulated)",
+      "float8 grouped GEMMs of the experts are not built in this library yet (the dense linears are: "
+      "Float8LinearConverter)")),
+    ("MXFP8LinearConverter", MXFP8LinearConverterConfig,
+     ("MXFP8 training", (10, 0), "MXFP8 matmuls", "MXFP8 training is not built in this library yet")),
+    ("MXFP8GroupedExpertsConverter", MXFP8GroupedExpertsConverterConfig,
+     ("MXFP8 MoE training", (10, 0), "MXFP8 grouped GEMMs", "MXFP8 grouped GEMMs are not built in this library yet")),
+    ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
+     ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
+)
+Float8GroupedExpertsConverter, MXFP8LinearConverter, MXFP8GroupedExpertsConverter, NVFP4LinearConverter = (
+    _needing_newer_gpu(*row) for row in _NEWER_GPU)
