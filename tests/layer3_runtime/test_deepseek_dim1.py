@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from ep_helpers import checkpointed, records, run_many
 from parity_helpers import NORM_TOL, TOL, max_rel
 from version_helpers import requires_torch
 
+from torchtitan_spmd.launcher import warm_worlds
 from torchtitan_spmd.models import deepseek_v3
 
 pytestmark = pytest.mark.multiproc
@@ -43,6 +45,14 @@ OURS = {"num_experts": 2, "top_k": 1, "n_group": 1, "topk_group": 1, "route_norm
 THEIRS = {"n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}
 #: the named expert weight whose step-1 gradient the parity test prints and checks by name
 NAMED = "layers.1.moe.experts.w2"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_forks() -> Iterator[None]:
+    """This module's launches run in fresh forks: they inherit the flavour registered here (a warm
+    world's ranks were forked before it)."""
+    with warm_worlds(False):
+        yield
 
 
 def _register() -> None:
