@@ -32,6 +32,8 @@ it does not depend on DTensor pickling) and the flat gradient buffer (one all-re
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -48,6 +50,8 @@ from torchtitan_spmd.config import JobConfig
 
 if TYPE_CHECKING:
     from torchtitan_spmd.distributed.parallel_dims import ParallelDims
+
+logger = logging.getLogger("torchtitan_spmd")
 
 __all__ = ["LIGHTHOUSE_ENV", "FaultTolerance", "ft_group_count", "validate_fault_tolerance"]
 
@@ -157,6 +161,8 @@ class FaultTolerance:
         rank = dist.get_rank()
         host, port = _group_store(rank)
         self.heals: list[int] = []
+        self._init_timeout = timedelta(seconds=job_config.comm.init_timeout_seconds)
+        self._first_quorum = True
         self._objects: dict[str, Any] = {}
         self.manager = torchft.Manager(
             pg=pg, min_replica_size=ft.min_replica_size, load_state_dict=None, state_dict=None,
@@ -164,12 +170,24 @@ class FaultTolerance:
             use_async_quorum=False,
             # every group initialises the same weights from debug.seed: no transfer at step 0
             init_sync=False,
-            timeout=timeout, connect_timeout=timeout,
+            # collectives and RPCs: process_group_timeout_ms; a quorum: comm.train_timeout_seconds
+            # (the first one, while the groups start, comm.init_timeout_seconds; see start_step)
+            timeout=timeout, connect_timeout=self._init_timeout,
             quorum_timeout=timedelta(seconds=job_config.comm.train_timeout_seconds),
             rank=rank, world_size=dist.get_world_size(), store_addr=host, store_port=port,
             replica_id=f"torchtitan_ft_{ft.replica_id}", hostname=socket.gethostname(),
         )
         self.device_type = device_type
+        #: Bytes this rank handed to torchft's cross-group all-reduce (gradients or DiLoCo/LocalSGD
+        #: pseudo-gradients, and the loss): the payload, not gloo's wire bytes.
+        self.allreduce_bytes = 0
+        inner_allreduce = self.manager.allreduce
+
+        def counted_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.allreduce_bytes += tensor.numel() * tensor.element_size()
+            return inner_allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted_allreduce  # type: ignore[method-assign]
 
     # -- data -----------------------------------------------------------------------------------
     def dp_info(self, dp_degree: int, dp_rank: int) -> tuple[int, int]:
@@ -234,10 +252,15 @@ class FaultTolerance:
     def start_step(self) -> int:
         """The quorum for the next step (a returning group heals here); returns its step number."""
         before = self.manager.current_step()
-        self.manager.start_quorum()
+        # the first quorum waits for the other groups' start-up (comm.init_timeout_seconds)
+        self.manager.start_quorum(timeout=self._init_timeout if self._first_quorum else None)
+        self._first_quorum = False
         after = self.manager.current_step()
         if after != before:
             self.heals.append(after)
+            if dist.get_rank() == 0:
+                logger.info(f"fault_tolerance: replica group {self.replica_id} healed from a live peer at its "
+                            f"step {after} (parameters sha256 {self.params_digest()[:16]} on rank 0)")
         return after + 1
 
     @torch.no_grad()
@@ -255,6 +278,13 @@ class FaultTolerance:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         return float(flat[offset])
+
+    def params_digest(self) -> str:
+        """sha256 of this rank's parameter shards (by name), to compare groups bitwise."""
+        h = hashlib.sha256()
+        for _, p in sorted(self._params().items()):
+            h.update(_local(p.detach()).cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def should_commit(self) -> bool:
         """Whether this step may update the weights: every rank of every group in the quorum agrees."""

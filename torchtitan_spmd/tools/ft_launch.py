@@ -40,6 +40,8 @@ from typing import Any
 __all__ = ["ForkedGroup", "free_port", "main", "start_lighthouse"]
 
 _STEP = re.compile(r"step: (\d+)\s+loss: ([0-9.eE+-]+|nan|inf)")
+_GROUPS = re.compile(r"  groups: (\d+)(  \(not committed\))?$")
+_HEALED = re.compile(r"healed from a live peer at its step (\d+)")
 
 
 def free_port() -> int:
@@ -143,6 +145,37 @@ def _start_group(i: int, args: argparse.Namespace, train_args: Sequence[str], en
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``): torchrun puts each worker in its own
+    session, so a signal to torchrun's process group does not reach the ranks."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a group's torchrun and every rank under it at once (a machine lost)."""
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def _last_step(path: str) -> int:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -150,6 +183,22 @@ def _last_step(path: str) -> int:
     except FileNotFoundError:
         return 0
     return max(steps, default=0)
+
+
+def _summary(path: str) -> str:
+    """What a group's log says: its step lines by groups in the quorum, uncommitted ones, heals."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    by_groups: dict[int, int] = {}
+    uncommitted = 0
+    for line in lines:
+        if _STEP.search(line) and (m := _GROUPS.search(line)):
+            by_groups[int(m.group(1))] = by_groups.get(int(m.group(1)), 0) + 1
+            uncommitted += m.group(2) is not None
+    heals = [m.group(1) for line in lines if (m := _HEALED.search(line))]
+    counts = ", ".join(f"{n} with {g} group(s)" for g, n in sorted(by_groups.items(), reverse=True)) or "none"
+    return (f"step lines: {counts}; not committed: {uncommitted}; "
+            f"healed at step(s): {', '.join(heals) if heals else 'none'}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ranks-per-group", type=int, default=1, help="ranks of each group's torchrun")
     p.add_argument("--min-replicas", type=int, default=1, help="the Lighthouse's fewest groups per quorum")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="silence after which a group is dead")
-    p.add_argument("--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for known groups")
+    p.add_argument("--join-timeout-ms", type=int, default=10000,
+                   help="how long a quorum waits for groups it knows of (upstream's README: 10000)")
     p.add_argument("--kill-group", type=int, default=None, help="SIGKILL this group ...")
     p.add_argument("--kill-at-step", type=int, default=None, help="... once another group logged this step")
     p.add_argument("--restart-at-step", type=int, default=None, help="restart it once a live group logged this step")
@@ -181,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i in range(args.groups):
         with open(os.path.join(args.log_dir, f"group{i}.log"), "wb"):
             pass
+    os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse's Rust log: warnings only, unless asked
     lighthouse = start_lighthouse(args.min_replicas, join_timeout_ms=args.join_timeout_ms,
                                   heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
@@ -190,18 +241,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     killed = restarted = False
     start = time.monotonic()
     seen: dict[int, int] = {}
+    first_seen: dict[tuple[int, int], float] = {}  # (group, step) -> when this process first saw its line
     status = 0
     try:
         while True:
             live = [i for i in procs if procs[i].poll() is None]
             steps = {i: _last_step(os.path.join(args.log_dir, f"group{i}.log")) for i in procs}
+            now = time.monotonic() - start
             for i, s in steps.items():
                 if s > seen.get(i, 0):
+                    for k in range(seen.get(i, 0) + 1, s + 1):
+                        first_seen.setdefault((i, k), now)
                     seen[i] = s
             others = max((s for i, s in steps.items() if i != args.kill_group), default=0)
             if args.kill_group is not None and not killed and others >= args.kill_at_step:
-                os.killpg(procs[args.kill_group].pid, signal.SIGKILL)
-                procs[args.kill_group].wait()
+                _kill_tree(procs[args.kill_group])
                 killed = True
                 print(f"ft_launch: SIGKILLed group {args.kill_group} (a live group is at step {others})", flush=True)
             if killed and not restarted and args.restart_at_step is not None and others >= args.restart_at_step:
@@ -218,12 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for proc in procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
         lighthouse.shutdown()
     for i, proc in sorted(procs.items()):
         code = proc.returncode
-        print(f"ft_launch: group {i} exited {code}, last logged step {seen.get(i, 0)}", flush=True)
+        times = [t for (g, _), t in sorted(first_seen.items()) if g == i]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        gap = f", longest gap between step lines {max(gaps):.1f} s" if gaps else ""
+        print(f"ft_launch: group {i} exited {code}, last logged step {seen.get(i, 0)}{gap}", flush=True)
+        print(f"ft_launch: group {i}: {_summary(os.path.join(args.log_dir, f'group{i}.log'))}", flush=True)
         if code != 0 and not (i == args.kill_group and not restarted):
             status = 1
     return status
