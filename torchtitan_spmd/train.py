@@ -741,10 +741,10 @@ class Trainer:
                 del logits
                 loss.backward()
             losses.append(loss.detach())
-        ft_loss = None
+        ft_loss = group_loss = None
         if self.ft is not None and self.ft.semi_sync is None:  # torchft: average over the live groups
-            ft_loss = self.ft.sync_gradients(self.model, global_loss_value(sum(losses[1:], losses[0]),
-                                                                           self.representation))
+            group_loss = global_loss_value(sum(losses[1:], losses[0]), self.representation)
+            ft_loss = self.ft.sync_gradients(self.model, group_loss)
         pp_group = self.pipeline.group if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep,
                                     stage_group=pp_group)
@@ -757,6 +757,8 @@ class Trainer:
                           else self.pipeline.global_loss(loss, rep.sum_over_batch))
         # torchft: the step updates the weights only if every live group's every rank agrees
         committed = self.ft.should_commit() if ft_loss is not None else True
+        if not committed and group_loss is not None:  # after an all-reduce error its buffer is garbage
+            loss_value = group_loss
         # upstream HEAD (#3863, #4226): a non-finite step never reaches the optimizer; the loss
         # and the norm are global, the same on every rank, so every rank stops here alike
         if committed and not (math.isfinite(loss_value) and math.isfinite(grad_norm)):

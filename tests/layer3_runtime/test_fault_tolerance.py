@@ -95,9 +95,12 @@ def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sle
 
     trainer = Trainer(cfg)
     times: list[float] = []
+    before: dict[int, tuple[str, str | None]] = {}  # step -> (params, moments) digests as it starts
     inner_step = trainer.step
 
     def step(n: int) -> Any:
+        state = _state_of(trainer)
+        before[n] = (state["params"], state["moments"])
         record = inner_step(n)
         times.append(time.monotonic())
         if progress and rank == 0:
@@ -111,6 +114,7 @@ def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sle
         records = trainer.run()
         ft = trainer.ft
         return {"records": [(r.step, r.loss, r.committed, r.replica_groups) for r in records], "times": times,
+                "before": before,
                 "heals": list(ft.heals) if ft else [], **_state_of(trainer)}
     finally:
         trainer.close()
@@ -226,7 +230,10 @@ def test_alone_the_step_averages_over_the_live_group_only(kill_and_heal: dict[st
 def test_the_returned_group_heals_bitwise(kill_and_heal: dict[str, Any]) -> None:
     survivor, returned = kill_and_heal["survivor"], kill_and_heal["returned"]
     assert returned["heals"] and RESTART_AT <= returned["heals"][0] < KILL_STEPS
-    assert returned["records"][0][0] == returned["heals"][0] + 1  # it resumed after the peer's step
+    first = returned["records"][0][0]
+    assert first == returned["heals"][0] + 1  # it resumed after the peer's step
+    # at its first step back: the survivor's parameters and optimizer moments as that step began
+    assert returned["before"][first] == survivor["before"][first]
     for key in ("params", "moments", "optim_steps", "lr_epoch", "data"):
         assert returned[key] == survivor[key], key
 

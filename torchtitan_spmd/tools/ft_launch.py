@@ -276,9 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lighthouse.shutdown()
     for i, proc in sorted(procs.items()):
         code = proc.returncode
-        times = [t for (g, _), t in sorted(first_seen.items()) if g == i]
-        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-        gap = f", longest gap between step lines {max(gaps):.1f} s" if gaps else ""
+        seen_at = sorted((k, t) for (g, k), t in first_seen.items() if g == i)
+        gaps = [(t1 - t0, k1) for (_, t0), (k1, t1) in zip(seen_at, seen_at[1:], strict=False)]
+        gap = (f", longest gap between step lines {max(gaps)[0]:.1f} s (before step {max(gaps)[1]}), "
+               f"median {sorted(gaps)[len(gaps) // 2][0]:.1f} s" if gaps else "")
         print(f"ft_launch: group {i} exited {code}, last logged step {seen.get(i, 0)}{gap}", flush=True)
         print(f"ft_launch: group {i}: {_summary(os.path.join(args.log_dir, f'group{i}.log'))}", flush=True)
         if code != 0 and not (i == args.kill_group and not restarted):
