@@ -35,6 +35,10 @@ pytestmark = pytest.mark.multiproc
 PG_TIMEOUT_MS = 2000
 #: The Lighthouse drops a group silent for this long.
 HEARTBEAT_MS = 1000
+#: How long the Lighthouse waits for a group it knows (heartbeating) before a quorum goes without
+#: it: longer than a step here, so that live groups share every quorum (shorter, a busy group
+#: misses its quorum and trains alone for a step: torchft's fast quorum with min_replicas 1).
+JOIN_MS = 2000
 #: A named parameter whose shards the parity test compares.
 NAMED = "layers.0.attention.wq.weight"
 
@@ -89,11 +93,27 @@ def _state_of(trainer: Any) -> dict[str, Any]:
     }
 
 
-def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sleep: float) -> dict[str, Any]:
-    """One rank of a group (or of the reference): run the trainer; record each step's end time."""
+def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sleep: float,
+           stall_at: int | None = None) -> dict[str, Any]:
+    """One rank of a group (or of the reference): run the trainer; record each step's end time
+    (and write the step to ``progress``). ``stall_at``: this process SIGSTOPs itself just before
+    the ``stall_at``-th cross-group all-reduce it shares with another group, so its peer is
+    inside its own (a hung host mid-step)."""
+    import signal
+
     from torchtitan_spmd.train import Trainer
 
     trainer = Trainer(cfg)
+    if stall_at is not None:
+        sync, calls = trainer.ft.sync_gradients, [0]
+
+        def stalling_sync(model: Any, loss: float) -> float:
+            calls[0] += trainer.ft.num_participants() == 2  # steps shared with the other group
+            if calls[0] == stall_at:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return sync(model, loss)
+
+        trainer.ft.sync_gradients = stalling_sync
     times: list[float] = []
     before: dict[int, tuple[str, str | None]] = {}  # step -> (params, moments) digests as it starts
     inner_step = trainer.step
@@ -192,7 +212,7 @@ def kill_and_heal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     warm_parent()
     root = tmp_path_factory.mktemp("ftkill")
     progress = str(root / "progress0")
-    lighthouse = start_lighthouse(1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
+    lighthouse = start_lighthouse(1, join_timeout_ms=JOIN_MS, heartbeat_timeout_ms=HEARTBEAT_MS)
     try:
         survivor = ForkedGroup(_train, 1, _config(0, ranks=1, steps=KILL_STEPS), progress, 0.15,
                                lighthouse=lighthouse.address(), timeout_s=120)
@@ -212,7 +232,8 @@ def kill_and_heal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_survivor_trains_on_alone_without_long_waits(kill_and_heal: dict[str, Any]) -> None:
     survivor = kill_and_heal["survivor"]
     committed = [r[0] for r in survivor["records"] if r[2]]
-    assert committed == list(range(1, KILL_STEPS + 1))  # every step committed once, in order
+    # every step committed once, in order (from 1, or after healing if the other group started first)
+    assert committed == list(range(committed[0], KILL_STEPS + 1)) and committed[0] <= KILL_AT, committed
     assert any(r[3] == 1 for r in survivor["records"])  # it did train alone
     gaps = [b - a for a, b in zip(survivor["times"], survivor["times"][1:], strict=False)]
     assert max(gaps) < 0.15 + (PG_TIMEOUT_MS + HEARTBEAT_MS) / 1000 + 1.0, gaps
@@ -240,24 +261,33 @@ def test_the_returned_group_heals_bitwise(kill_and_heal: dict[str, Any]) -> None
 
 # ---------------------------------------------------------------------------------------- a stall
 def test_a_stopped_group_is_dropped_from_the_quorum(tmp_path: Any) -> None:
+    """Group 1 stops itself in its second step shared with group 0, before its all-reduce:
+    group 0's all-reduce gives up after process_group_timeout_ms, the step is not committed,
+    and the next quorum goes on without group 1."""
     warm_parent()
     progress = str(tmp_path / "progress0")
-    steps = 6
-    lighthouse = start_lighthouse(1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
+    steps, stall_at = 10, 2
+    lighthouse = start_lighthouse(1, join_timeout_ms=JOIN_MS, heartbeat_timeout_ms=HEARTBEAT_MS)
     try:
-        live = ForkedGroup(_train, 1, _config(0, ranks=1, steps=steps), progress, 0.1,
+        live = ForkedGroup(_train, 1, _config(0, ranks=1, steps=steps), progress, 0.15,
                            lighthouse=lighthouse.address(), timeout_s=90)
-        stalled = ForkedGroup(_train, 1, _config(1, ranks=1, steps=steps), None, 0.1,
+        stalled = ForkedGroup(_train, 1, _config(1, ranks=1, steps=steps), None, 0.15, stall_at,
                               lighthouse=lighthouse.address(), timeout_s=90)
-        _wait_for_step(progress, 2)
-        stalled.stop()
         try:
             out = live.result()[0]
         finally:
             stalled.kill()
     finally:
         lighthouse.shutdown()
-    assert [r[0] for r in out["records"] if r[2]] == list(range(1, steps + 1))
+    committed = [r[0] for r in out["records"] if r[2]]
+    assert committed == list(range(committed[0], steps + 1))  # (a group that starts late heals first)
+    # the step that waited on the stalled group, then the same step alone
+    failed = [i for i, r in enumerate(out["records"]) if not r[2]]
+    # (retried with both groups until the Lighthouse's heartbeat timeout drops the stalled one)
+    step = out["records"][failed[0]][0] if failed else None
+    assert failed and all(out["records"][i][0::3] == (step, 2) for i in failed), out["records"]
+    assert out["records"][failed[-1] + 1][0::3] == (step, 1), out["records"]
+    assert out["times"][failed[0]] - out["times"][failed[0] - 1] >= PG_TIMEOUT_MS / 1000  # it did wait
     assert out["records"][-1][3] == 1
     gaps = [b - a for a, b in zip(out["times"], out["times"][1:], strict=False)]
     assert max(gaps) < 0.1 + (PG_TIMEOUT_MS + HEARTBEAT_MS) / 1000 + 1.0, gaps
@@ -342,3 +372,14 @@ def test_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ImportError, match=r"fault_tolerance.enable needs the 'torchft' package.*\.\[ft\]") as err:
         validate_job(_config(0, ranks=1, steps=1), 1, "cpu")
     assert "\n" not in str(err.value)
+
+
+def test_launcher_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from torchtitan_spmd.tools.ft_launch import main
+
+    for argv, says in ((["--groups", "2", "--kill-group", "2", "--kill-at-step", "3"], "--kill-group must be in [0, 2)"),
+                       (["--kill-group", "1"], "--kill-group and --kill-at-step go together")):
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert err.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(says)
