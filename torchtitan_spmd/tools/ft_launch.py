@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ForkedGroup", "free_port", "main", "start_lighthouse"]
+__all__ = ["ForkedGroup", "Lighthouse", "free_port", "main", "start_lighthouse"]
 
 _STEP = re.compile(r"step: (\d+)\s+loss: ([0-9.eE+-]+|nan|inf)")
 _GROUPS = re.compile(r"  groups: (\d+)(  \(not committed\))?$")
@@ -51,16 +51,56 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000, quorum_tick_ms: int = 50,
-                     heartbeat_timeout_ms: int = 2000) -> Any:
-    """torchft's Lighthouse, in this process, on loopback. ``min_replicas``: the fewest groups of a
-    quorum; ``join_timeout_ms``: how long a quorum waits for groups it has seen before going
-    without them; ``heartbeat_timeout_ms``: silence after which a group is dead (a SIGSTOPped or
-    killed group is left out after this). Returns the server (``.address()``, ``.shutdown()``)."""
+def _lighthouse_main(conn: Any, kwargs: dict[str, Any]) -> None:
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                            quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    server = LighthouseServer(bind="127.0.0.1:0", **kwargs)
+    conn.send(server.address())
+    conn.recv()  # until the parent says stop (or goes away)
+    server.shutdown()
+
+
+class Lighthouse:
+    """torchft's Lighthouse in a child process (:func:`start_lighthouse`): ``.address()``, ``.shutdown()``.
+
+    A child, not this process: torchft's Rust runtime does not survive ``fork``, and the tests
+    fork replica groups from this process (a Lighthouse served here crashed a forked group's
+    manager client with a segmentation fault)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        ctx = mp.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_lighthouse_main, args=(child, kwargs), daemon=True)
+        self._process.start()
+        if not self._conn.poll(30):
+            self._process.kill()
+            raise TimeoutError("the torchft Lighthouse did not start within 30 s")
+        self._address = str(self._conn.recv())
+
+    def address(self) -> str:
+        """``http://host:port`` (for ``TORCHFT_LIGHTHOUSE``)."""
+        return self._address
+
+    def shutdown(self) -> None:
+        """Stop the Lighthouse and its process."""
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+def start_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000, quorum_tick_ms: int = 50,
+                     heartbeat_timeout_ms: int = 2000) -> Lighthouse:
+    """torchft's Lighthouse on loopback, in a child process. ``min_replicas``: the fewest groups of
+    a quorum; ``join_timeout_ms``: how long a quorum waits for groups it has seen before going
+    without them; ``heartbeat_timeout_ms``: silence after which a group is dead (a SIGSTOPped or
+    killed group is left out after this). Returns a handle (``.address()``, ``.shutdown()``)."""
+    return Lighthouse(min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+                      heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 
 def _group_main(fn: Callable[..., Any], ranks: int, args: tuple[Any, ...], lighthouse: str, out: str,
