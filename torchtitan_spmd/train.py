@@ -87,6 +87,11 @@ from torchtitan_spmd.techniques.expert_parallel import (
     expert_parallel_plan,
     validate_expert_parallel,
 )
+from torchtitan_spmd.techniques.fault_tolerance import (
+    FaultTolerance,
+    ft_group_count,
+    validate_fault_tolerance,
+)
 from torchtitan_spmd.techniques.fsdp import (
     apply_fsdp,
     set_gradient_sync,
@@ -151,6 +156,10 @@ class StepRecord:
     mfu: float | None = None
     #: Seconds this step waited for its batch (the data loader).
     data_loading_s: float | None = None
+    #: ``fault_tolerance.enable``: whether torchft committed the step (False: the weights did not
+    #: change and the step is retried) and how many replica groups took part.
+    committed: bool = True
+    replica_groups: int | None = None
 
     def log_line(self) -> str:
         """The per-step log line; scripts parse ``step: <n>`` and ``loss: <float>``.
@@ -166,6 +175,8 @@ class StepRecord:
             line += f"  data: {self.data_loading_s * 1e3:.1f}ms"
         if self.expert_load is not None:
             line += f"  tokens/expert: {self.expert_load.min}-{self.expert_load.max}"
+        if self.replica_groups is not None:
+            line += f"  groups: {self.replica_groups}{'' if self.committed else '  (not committed)'}"
         return line
 
 
@@ -326,10 +337,12 @@ def validate_job(job_config: JobConfig, world_size: int, device_type: str) -> Jo
             validate_param_groups(job_config.optimizer, model_spec.build(model_config))
     validate_compile(job_config, representation)
     validate_async_tp(job_config, device_type)  # the dry run accepts it; a real run needs CUDA
+    validate_fault_tolerance(job_config, parallel_dims, device_type)  # the ft extra, the replicate axis
     training = job_config.training
     stages = PipelineStages.from_config(job_config, parallel_dims, model_spec.part_names(model_config))
     steps = gradient_accumulation_steps(training.global_batch_size, training.local_batch_size,
-                                        parallel_dims.dp_replicate * parallel_dims.dp_shard,
+                                        parallel_dims.dp_replicate * parallel_dims.dp_shard
+                                        * ft_group_count(job_config),  # torchft: the groups share the batch
                                         num_pp_microbatches=stages.num_pp_microbatches if stages else 1)
     plan = expert_parallel_plan(model_spec.sharding_plan(
         model_config, sequence_parallel=par.enable_sequence_parallel,
@@ -552,8 +565,13 @@ class Trainer:
         self.amp = functools.partial(maybe_enable_amp, self.parallel_dims,
                                      training.mixed_precision_param, self.device_type)
 
-        # 6. the data, the metrics and the train contexts
+        # 6. the data, the metrics and the train contexts (torchft's manager first: the data is
+        # split over every replica group)
+        #: ``fault_tolerance.enable``: this group's torchft wiring (:mod:`~torchtitan_spmd.techniques.fault_tolerance`).
+        self.ft = FaultTolerance(job_config, device_type=self.device_type) if job_config.fault_tolerance.enable else None
         self.dataloader = self.build_dataloader()
+        if self.ft is not None:  # what a returning group heals from a live peer
+            self.ft.attach(self.model, self.optimizer, self.scheduler, self.dataloader)
         #: ``metrics.enable_tensorboard``: rank 0 writes the logged steps' scalars.
         self.metrics = build_metrics_logger(job_config.metrics, job_config.job.dump_folder, rank=self.rank,
                                             job_config=job_config.to_dict())
@@ -568,6 +586,8 @@ class Trainer:
         self.start_step = 0
         if not job_config.checkpoint.create_seed_checkpoint:
             self.start_step = self.checkpointer.load(step=job_config.checkpoint.load_step)
+        if self.ft is not None:  # torchft's step counts from the checkpoint's
+            self.ft.resume(self.start_step)
         #: Python's automatic collector is off from here to :meth:`close` (``training.gc_freq``):
         #: last in set-up, so a set-up error leaves it as it was.
         self.gc_handler = GarbageCollection(training.gc_freq, debug=training.gc_debug)
@@ -605,9 +625,12 @@ class Trainer:
         rank-major, so every layout sees the same data."""
         training = self.job_config.training
         batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        dp_degree, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
+        if self.ft is not None:  # this group's block of every group's shards
+            dp_degree, dp_rank = self.ft.dp_info(dp_degree, dp_rank)
         return build_dataloader(
-            dp_rank=batch_mesh.get_local_rank() if batch_mesh is not None else 0,
-            dp_degree=batch_mesh.size() if batch_mesh is not None else 1,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
             local_batch_size=self.local_rows * self.gradient_accumulation_steps,
             seq_len=training.seq_len, seed=self.seed,
             dataset=self.job_config.dataloader.dataset, dataset_path=self.job_config.dataloader.dataset_path, tokenizer=self.tokenizer,
@@ -719,21 +742,34 @@ class Trainer:
                 del logits
                 loss.backward()
             losses.append(loss.detach())
+        ft_loss = group_loss = None
+        if self.ft is not None and self.ft.semi_sync is None:  # torchft: average over the live groups
+            group_loss = global_loss_value(sum(losses[1:], losses[0]), self.representation)
+            ft_loss = self.ft.sync_gradients(self.model, group_loss)
         pp_group = self.pipeline.group if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm, rep,
                                     stage_group=pp_group)
         lr = self.scheduler.get_last_lr()[0]
         loss = sum(losses[1:], losses[0])
-        loss_value = (global_loss_value(loss, rep) if self.pipeline is None
-                      else self.pipeline.global_loss(loss, rep.sum_over_batch))
+        if ft_loss is not None:
+            loss_value = ft_loss
+        else:
+            loss_value = (global_loss_value(loss, rep) if self.pipeline is None
+                          else self.pipeline.global_loss(loss, rep.sum_over_batch))
+        # torchft: the step updates the weights only if every live group's every rank agrees
+        committed = self.ft.should_commit() if ft_loss is not None else True
+        if not committed and group_loss is not None:  # after an all-reduce error its buffer is garbage
+            loss_value = group_loss
         # upstream HEAD (#3863, #4226): a non-finite step never reaches the optimizer; the loss
         # and the norm are global, the same on every rank, so every rank stops here alike
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        if committed and not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             raise NonFiniteStepError(step, loss_value, grad_norm)
-        self.optimizer.step()
-        # MoE load balancing (no-op for dense models); under PP the logged load is every stage's
-        expert_load = update_expert_bias(self.model, rep, stage_group=pp_group if self._moe_over_stages else None)
-        self.scheduler.step()
+        expert_load = None
+        if committed:
+            self.optimizer.step()
+            # MoE load balancing (no-op for dense models); under PP the logged load is every stage's
+            expert_load = update_expert_bias(self.model, rep, stage_group=pp_group if self._moe_over_stages else None)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         tps = tokens.numel() / elapsed if elapsed > 0 else float("inf")
@@ -741,7 +777,8 @@ class Trainer:
             step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens_per_s=tps,
             peak_memory_mib=_peak_memory_mib(self.device_type), expert_load=expert_load,
             tflops=self.flops_per_token * tps / 1e12, mfu=100 * self.flops_per_token * tps / self.peak_flops,
-            data_loading_s=data_loading_s,
+            data_loading_s=data_loading_s, committed=committed,
+            replica_groups=self.ft.num_participants() if self.ft is not None else None,
         )
 
     def prepare_batch(self, tokens: torch.Tensor, labels: torch.Tensor, n: int = 1
@@ -800,8 +837,8 @@ class Trainer:
         #: ``[profiler]``: torch.profiler's windows and memory snapshots around the loop.
         self.profiler = Profiler(self.job_config.profiler, self.job_config.job.dump_folder, self.rank,
                                  self.device_type, start_step=self.start_step)
-        with self.profiler:
-            for step in range(self.start_step + 1, steps + 1):
+        with self.profiler, self._semi_sync():
+            for step in self._steps(steps):
                 self.phase = f"in step {step}"
                 self.gc_handler.run(step)
                 record = self.step(step)
@@ -820,10 +857,30 @@ class Trainer:
                     if self.rank == 0:
                         logger.info(validation.log_line())
                     self.metrics.log_validation(validation)
-                self.checkpointer.save(step, last_step=step == steps)
+                if self.ft is None or (record.committed and self.ft.is_checkpoint_writer()):
+                    self.checkpointer.save(step, last_step=step == steps)  # torchft: one group saves
                 self._stop_if_signalled(step)
         self.checkpointer.wait()
         return records
+
+    def _steps(self, steps: int) -> Iterator[int]:
+        """The step numbers to run: ``start_step + 1 .. steps``; under torchft's synchronous
+        replication, each step's quorum first (a returning group heals there and jumps to the
+        peers' step), and an uncommitted step is retried under the same number."""
+        if self.ft is None or self.ft.semi_sync is not None:
+            yield from range(self.start_step + 1, steps + 1)
+            return
+        while self.ft.committed_steps() < steps:
+            step = self.ft.start_step()
+            if step > steps:  # healed to a peer that had finished
+                return
+            yield step
+
+    def _semi_sync(self) -> AbstractContextManager[Any]:
+        """torchft's LocalSGD or DiLoCo around the optimizer (``fault_tolerance.semi_sync_method``)."""
+        if self.ft is None:
+            return contextlib.nullcontext()
+        return self.ft.semi_sync_context(self.model, self.optimizer)
 
     def _stop_if_signalled(self, step: int) -> None:
         """After each step and its save: if any rank got SIGTERM/SIGINT, every rank finishes a
@@ -852,6 +909,9 @@ class Trainer:
         checkpointer = getattr(self, "checkpointer", None)
         if checkpointer is not None:
             checkpointer.close()
+        ft = getattr(self, "ft", None)
+        if ft is not None:
+            ft.close()
         gc_handler = getattr(self, "gc_handler", None)
         if gc_handler is not None:
             gc_handler.close()

@@ -105,6 +105,8 @@ PROBES: dict[str, Probe] = {
     "validator": Probe({"validator.enable": True, "validator.steps": 2, "metrics.enable_wandb": True,
                         "lr_scheduler.decay_type": "linear", "lr_scheduler.decay_ratio": 0.5}, needs=("wandb",)),
     "multi-node launch": Probe(_dp(4), world_size=4),
+    "fault tolerance": Probe({"fault_tolerance.enable": True, "fault_tolerance.group_size": 2, **_dp(2)},
+                             world_size=2, needs=("torchft",)),
     "dry run `comm.mode=fake_backend`": Probe({"comm.mode": "fake_backend", **_dp(4)}, world_size=4),
     "`comm.mode=local_tensor`": Probe({"comm.mode": "local_tensor", **TP2}, world_size=2),
     "loading a hostile checkpoint folder": Probe({"checkpoint.enable": True}),

@@ -27,6 +27,7 @@ from torchtitan_spmd.config import (
     CommConfig,
     CompileConfig,
     DebugConfig,
+    FaultToleranceConfig,
     JobConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -132,6 +133,22 @@ UPSTREAM: dict[type, list[tuple[str, Any, Any]]] = {
         ("enable_first_step_checkpoint", bool, False),
         ("create_seed_checkpoint", bool, False),
         ("load_only", bool, False),
+    ],
+    # upstream's TorchFTManager.Config then the experiment's FaultTolerance (torchtitan/experiments/torchft)
+    FaultToleranceConfig: [
+        ("enable", bool, False),
+        ("process_group", str, "gloo"),
+        ("process_group_timeout_ms", int, 10000),
+        ("replica_id", int, 0),
+        ("group_size", int, 0),
+        ("min_replica_size", int, 1),
+        ("semi_sync_method", str | None, None),
+        ("sync_steps", int, 5),
+        ("should_quantize", bool, False),
+        ("fragment_sync_delay", int, 0),
+        ("fragment_update_alpha", float, 0.0),
+        ("module_fqns_per_model_fragment", list[list[str]], []),
+        ("num_fragments", int, 1),
     ],
 }
 

@@ -40,6 +40,7 @@ from .configs import (
     TrainingConfig,
     ValidatorConfig,
 )
+from .fault_tolerance import FaultToleranceConfig
 from .job_config import JobConfig, SpmdTypecheckingWarning
 from .manager import ConfigManager
 from .support import check_supported
@@ -80,6 +81,7 @@ __all__ = [
     "ConfigManager",
     "DataloaderConfig",
     "DebugConfig",
+    "FaultToleranceConfig",
     "JobConfig",
     "JobSection",
     "LRSchedulerConfig",

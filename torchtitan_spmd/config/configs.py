@@ -28,6 +28,7 @@ from . import backends as _backends
 from . import converters as _converters
 from . import surface as _surface
 from ._section import Section, invalid_choice, reject_unknown_attribute
+from .fault_tolerance import FaultToleranceConfig  # noqa: I001 - upstream [fault_tolerance], re-exported
 
 __all__ = [
     "DATASETS",
@@ -39,6 +40,7 @@ __all__ = [
     "CompileConfig",
     "DataloaderConfig",
     "DebugConfig",
+    "FaultToleranceConfig",
     "JobSection",
     "LRSchedulerConfig",
     "MetricsConfig",

@@ -42,6 +42,7 @@ from .configs import (
     TrainingConfig,
     ValidatorConfig,
 )
+from .fault_tolerance import FaultToleranceConfig
 from .surface import get_surface
 
 __all__ = ["JobConfig", "SpmdTypecheckingWarning"]
@@ -70,6 +71,7 @@ _SECTIONS: dict[str, type[Any]] = {
         MetricsConfig,
         ValidatorConfig,
         ProfilerConfig,
+        FaultToleranceConfig,
     )
 }
 
@@ -147,6 +149,9 @@ class JobConfig:
 
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     """``[profiler]``: ``torch.profiler`` traces and memory snapshots."""
+
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """``[fault_tolerance]``: torchft replica groups (upstream's ``FaultTolerance``)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         reject_unknown_attribute(self, name, "the root config")
