@@ -197,8 +197,9 @@ def test_help_without_a_module_explains_the_contract(capsys: pytest.CaptureFixtu
 #: The short ``--help``: 3 usage lines, the contract, one line per section and the root field.
 HELP_LINE_BUDGET = 30
 #: ``--help-all`` at 80 columns: every field with its re-flowed docstring (measured 560 lines; 646
-#: when tyro kept the docstrings' hard line breaks).
-HELP_ALL_LINE_BUDGET = 580
+#: when tyro kept the docstrings' hard line breaks; 627 with upstream's ``[fault_tolerance]``
+#: section, 13 fields, issue 43). A new section raises it by what it measures, no more.
+HELP_ALL_LINE_BUDGET = 640
 #: RST markup that must not reach a help screen.
 MARKUP = ("``", ":class:", ":func:", ":mod:", ":meth:", ":attr:", ":data:")
 
