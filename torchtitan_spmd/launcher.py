@@ -157,7 +157,7 @@ def run_forked(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    if _WARM.enabled:
+    if _warm().enabled:
         try:
             task = pickle.dumps((fn, args))
         except Exception:  # noqa: BLE001 - a closure or a lambda: it runs in fresh forks
@@ -248,12 +248,24 @@ class _WarmState:
     """This process's warm worlds (by world size) and whether launches may use them."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self.enabled = False
         self.preload: tuple[str, ...] = ()
         self.worlds: dict[int, WarmWorld] = {}
 
 
-_WARM = _WarmState()
+_STATE = _WarmState()
+
+
+def _warm() -> _WarmState:
+    """This process's warm-world state. A process forked from one that has warm worlds (a replica
+    group of ``tools/ft_launch``, a test's own fork) does not inherit them: their ranks answer
+    their parent's pipes only. It starts with none, and with warm worlds off."""
+    if _STATE.pid != os.getpid():
+        for world in _STATE.worlds.values():
+            world.forget()
+        _STATE.__init__()  # type: ignore[misc]
+    return _STATE
 #: At most this many warm worlds live at once (the least recently used one is closed first).
 MAX_WARM_WORLDS = 2
 
@@ -273,22 +285,22 @@ def warm_worlds(enabled: bool = True, preload: Sequence[str] = ()) -> Iterator[N
     block every warm world is closed. ``preload``: modules (by name) each new warm rank imports
     before its first launch, as ``multiprocessing``'s fork server preloads.
     """
-    before, before_preload = _WARM.enabled, _WARM.preload
-    _WARM.enabled = enabled
+    before, before_preload = _warm().enabled, _warm().preload
+    _warm().enabled = enabled
     if preload:
-        _WARM.preload = tuple(preload)
+        _warm().preload = tuple(preload)
     try:
         yield
     finally:
-        _WARM.enabled, _WARM.preload = before, before_preload
+        _warm().enabled, _warm().preload = before, before_preload
         if not before and enabled:
             close_warm_worlds()
 
 
 def close_warm_worlds() -> None:
     """Close (kill) every warm world of this process."""
-    while _WARM.worlds:
-        _, world = _WARM.worlds.popitem()
+    while _warm().worlds:
+        _, world = _warm().worlds.popitem()
         world.close()
 
 
@@ -298,24 +310,24 @@ def warm_cpu_seconds() -> float:
     A process's ``RUSAGE_CHILDREN`` counts a child only once it is reaped: add this to it for the
     CPU of every launch so far (a closed world's ranks are reaped, so they count there instead).
     """
-    return sum(w.cpu_s for w in _WARM.worlds.values())
+    return sum(w.cpu_s for w in _warm().worlds.values())
 
 
 def warm_world_pids() -> set[int]:
     """The process ids of the live warm worlds' ranks (to tell them from leaked processes)."""
-    return {p.pid for w in _WARM.worlds.values() for p in w.processes if p.pid is not None}
+    return {p.pid for w in _warm().worlds.values() for p in w.processes if p.pid is not None}
 
 
 def _warm_world(world_size: int) -> WarmWorld:
-    world = _WARM.worlds.pop(world_size, None)
+    world = _warm().worlds.pop(world_size, None)
     if world is None or not world.alive():
         if world is not None:
             world.close()
-        world = WarmWorld(world_size, _WARM.preload)
-    _WARM.worlds[world_size] = world  # most recently used last
-    while len(_WARM.worlds) > MAX_WARM_WORLDS:
-        oldest = next(iter(_WARM.worlds))
-        _WARM.worlds.pop(oldest).close()
+        world = WarmWorld(world_size, _warm().preload)
+    _warm().worlds[world_size] = world  # most recently used last
+    while len(_warm().worlds) > MAX_WARM_WORLDS:
+        oldest = next(iter(_warm().worlds))
+        _warm().worlds.pop(oldest).close()
     return world
 
 
@@ -390,6 +402,12 @@ class WarmWorld:
     def alive(self) -> bool:
         return not self._dead and all(p.is_alive() for p in self.processes)
 
+    def forget(self) -> None:
+        """In a process forked from the world's owner: drop this process's copies of the pipes."""
+        self._dead = True
+        for conn in self._conns:
+            conn.close()
+
     def close(self) -> None:
         """Kill the ranks and remove the world's files."""
         self._dead = True
@@ -401,6 +419,15 @@ class WarmWorld:
         for conn in self._conns:
             conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _receive(self, rank: int) -> Any:
+        """Rank ``rank``'s reply if one is waiting in its pipe, else None (none yet, or the rank is
+        gone: its pipe at end of file)."""
+        conn = self._conns[rank]
+        try:
+            return conn.recv() if conn.poll() else None
+        except (EOFError, OSError):
+            return None
 
     def run(self, fn: Callable[..., Any], task: bytes, args: tuple[Any, ...], timeout_s: float) -> list[Any]:
         """:func:`run_forked`'s contract, on this world's ranks (``task``: pickled ``(fn, args)``)."""
@@ -429,15 +456,14 @@ class WarmWorld:
                 rank = watched[ready]
                 if rank not in pending:
                     continue
-                if ready is self._conns[rank]:
-                    try:
-                        replies[rank] = self._conns[rank].recv()
-                    except (EOFError, OSError):
-                        continue  # died while replying: its sentinel says so
+                reply = self._receive(rank)
+                if reply is not None:
+                    replies[rank] = reply
                     pending.discard(rank)
-                    if replies[rank][0][0] != "ok" and first_failure is None:
+                    if reply[0][0] != "ok" and first_failure is None:
                         first_failure = time.monotonic()
-                elif not self._conns[rank].poll():
+                elif not self.processes[rank].is_alive() or ready is not self._conns[rank]:
+                    # gone without a reply (its pipe at EOF, or its sentinel fired)
                     self.processes[rank].join(timeout=5)
                     exited[rank] = self.processes[rank].exitcode
                     pending.discard(rank)

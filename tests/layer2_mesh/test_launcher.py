@@ -41,18 +41,21 @@ def _healthy_launch_after() -> None:
 
 
 def _raise_on_rank_1(rank: int, world: int) -> int:
+    dist.barrier()  # every rank past the set-up (a rank ending early would fail another's connect)
     if rank == 1:
         raise ValueError("planted failure on rank 1")
     return rank
 
 
 def _hang_on_rank_1(rank: int, world: int) -> int:
+    dist.barrier()  # every rank past the set-up (a rank ending early would fail another's connect)
     if rank == 1:
         time.sleep(120)
     return rank
 
 
 def _exit_on_rank_1(rank: int, world: int) -> int:
+    dist.barrier()  # every rank past the set-up (a rank ending early would fail another's connect)
     if rank == 1:
         time.sleep(0.5)  # rank 0 has written its result: only rank 1 fails
         os._exit(3)
@@ -163,3 +166,34 @@ def test_a_warm_world_runs_each_launch_in_the_same_ranks_as_the_caller_would_for
             run_forked(_raise_on_rank_1, 2, timeout_s=60)
         third = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)
         assert not {r["pid"] for r in third} & {r["pid"] for r in first}
+
+
+def _launch_from_a_fork(out: str) -> None:
+    """In a process forked from one with a warm world: a launch runs in fresh forks of its own."""
+    import pickle
+
+    pids = run_forked(lambda rank, world: os.getpid(), 2, timeout_s=60)
+    named = run_forked(_sum_of_ranks, 2, timeout_s=60)
+    with open(out, "wb") as f:
+        pickle.dump((pids, named, sorted(warm_world_pids())), f)
+
+
+def test_a_process_forked_from_one_with_a_warm_world_does_not_use_it(tmp_path) -> None:
+    """Its ranks answer the pipes of the process that started them: a forked child (a replica
+    group of tools/ft_launch) sending them its launch would mix the two up. (Found: the fault
+    tolerance tests hung in the suite's run, where the worker had a warm world of that size.)"""
+    import pickle
+
+    with warm_worlds(True):
+        before = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)
+        child = multiprocessing.get_context("fork").Process(target=_launch_from_a_fork,
+                                                              args=(str(tmp_path / "out"),))
+        child.start()
+        child.join(90)
+        assert child.exitcode == 0, child.exitcode
+        with open(tmp_path / "out", "rb") as f:
+            pids, named, child_warm = pickle.load(f)
+        assert named == [[1.0], [1.0]] and child_warm == []
+        assert not set(pids) & {r["pid"] for r in before}
+        after = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)  # the parent's world still works
+        assert [r["pid"] for r in after] == [r["pid"] for r in before]

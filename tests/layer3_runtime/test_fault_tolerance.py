@@ -94,16 +94,22 @@ def _state_of(trainer: Any) -> dict[str, Any]:
 
 
 def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sleep: float,
-           stall_at: int | None = None) -> dict[str, Any]:
+           stall_at: int | None = None, ready: str | None = None,
+           gate: tuple[int, str] | None = None) -> dict[str, Any]:
     """One rank of a group (or of the reference): run the trainer; record each step's end time
     (and write the step to ``progress``). ``stall_at``: this process SIGSTOPs itself just before
     the ``stall_at``-th cross-group all-reduce it shares with another group, so its peer is
-    inside its own (a hung host mid-step)."""
+    inside its own (a hung host mid-step). ``ready``: a file written once the trainer (and its
+    torchft manager) exists. ``gate``: after step ``gate[0]``, wait for the file ``gate[1]`` (so a
+    restarted group is up before the survivor's last steps, whatever the machine's load)."""
     import signal
 
     from torchtitan_spmd.train import Trainer
 
     trainer = Trainer(cfg)
+    if ready and rank == 0:
+        with open(ready, "w") as f:
+            f.write("up")
     if stall_at is not None:
         sync, calls = trainer.ft.sync_gradients, [0]
 
@@ -115,6 +121,7 @@ def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sle
 
         trainer.ft.sync_gradients = stalling_sync
     times: list[float] = []
+    paused = [0.0]
     before: dict[int, tuple[str, str | None]] = {}  # step -> (params, moments) digests as it starts
     inner_step = trainer.step
 
@@ -122,11 +129,15 @@ def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sle
         state = _state_of(trainer)
         before[n] = (state["params"], state["moments"])
         record = inner_step(n)
-        times.append(time.monotonic())
+        times.append(time.monotonic() - paused[0])  # the gate's wait is the test's, not a step's
         if progress and rank == 0:
             with open(progress, "w") as f:
                 f.write(str(n))
         time.sleep(step_sleep)
+        if gate is not None and n == gate[0]:
+            start = time.monotonic()
+            _wait_for_file(gate[1])
+            paused[0] += time.monotonic() - start
         return record
 
     trainer.step = step  # type: ignore[method-assign]
@@ -138,6 +149,14 @@ def _train(rank: int, world: int, cfg: JobConfig, progress: str | None, step_sle
                 "heals": list(ft.heals) if ft else [], **_state_of(trainer)}
     finally:
         trainer.close()
+
+
+def _wait_for_file(path: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def _wait_for_step(path: str, step: int, timeout_s: float = 60) -> None:
@@ -214,14 +233,15 @@ def kill_and_heal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     progress = str(root / "progress0")
     lighthouse = start_lighthouse(1, join_timeout_ms=JOIN_MS, heartbeat_timeout_ms=HEARTBEAT_MS)
     try:
-        survivor = ForkedGroup(_train, 1, _config(0, ranks=1, steps=KILL_STEPS), progress, 0.15,
-                               lighthouse=lighthouse.address(), timeout_s=120)
+        up = str(root / "returned_up")
+        survivor = ForkedGroup(_train, 1, _config(0, ranks=1, steps=KILL_STEPS), progress, 0.15, None, None,
+                               (RESTART_AT, up), lighthouse=lighthouse.address(), timeout_s=120)
         victim = ForkedGroup(_train, 1, _config(1, ranks=1, steps=KILL_STEPS), None, 0.15,
                              lighthouse=lighthouse.address(), timeout_s=120)
         _wait_for_step(progress, KILL_AT)
         victim.kill()
-        _wait_for_step(progress, RESTART_AT)
-        returned = ForkedGroup(_train, 1, _config(1, ranks=1, steps=KILL_STEPS), None, 0.0,
+        _wait_for_step(progress, RESTART_AT)  # the survivor then waits for the returned group's manager
+        returned = ForkedGroup(_train, 1, _config(1, ranks=1, steps=KILL_STEPS), None, 0.0, None, up,
                                lighthouse=lighthouse.address(), timeout_s=120)
         out = {"survivor": survivor.result()[0], "returned": returned.result()[0]}
     finally:
