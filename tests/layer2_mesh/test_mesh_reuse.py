@@ -1,8 +1,8 @@
 """Layer 2: ``ParallelDims.build_mesh`` reuses the previous build's meshes, and DTensor's sharding
 caches are kept only while they can refer to nothing else (``distributed/mesh_reuse.py``).
 
-Real gloo ranks, each case in fresh forks (a warm world's earlier launches would change what
-the process holds): whether a DTensor op's sharding decision misses the cache is the observable. The unsafe cases
+Real gloo ranks, each case forked from a clean process (a fork server's child: this worker's
+earlier tests, and a warm world's earlier launches, would change what the process holds): whether a DTensor op's sharding decision misses the cache is the observable. The unsafe cases
 are run for real: an op on a second, equal mesh over a destroyed and re-created process group
 (which fails if an entry of the first comes back), and fully_shard over a second trainer's
 mesh object.
@@ -10,15 +10,16 @@ mesh object.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from torchtitan_spmd.distributed import ParallelDims  # imported before forking: cheap ranks
-from torchtitan_spmd.launcher import run_forked
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.fresh_world(reason="counts what one process caches")]
 
@@ -36,6 +37,29 @@ def _op_on(pd: ParallelDims) -> tuple[float, int]:
     return total, torch._C._get_DTensor_sharding_propagator_cache_stats()[1] - misses
 
 
+def _in_a_clean_process(fn: Any, *args: Any, timeout_s: float) -> list[Any]:
+    """``fn`` on 4 ranks forked from a new interpreter: a process holding no mesh, DTensor cache
+    entry or registered group of earlier tests (this worker's, which every fork of it would
+    inherit, and which the caches' rule rightly counts as other meshes alive)."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mesh-reuse-") as tmp:
+        out = Path(tmp) / "out.pkl"
+        code = (f"import pickle, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                "import test_mesh_reuse as t\n"
+                "from torchtitan_spmd.launcher import run_forked\n"
+                f"res = run_forked(getattr(t, {fn.__name__!r}), 4, *{args!r}, timeout_s={timeout_s})\n"
+                f"pickle.dump(res, open({str(out)!r}, 'wb'))\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout_s + 60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+
 def _pd(tp: int = 2, dp_shard: int = 2, backend: str = "full_dtensor") -> ParallelDims:
     return ParallelDims(1, dp_shard, 1, tp, 1, 1, 4, spmd_backend=backend, device_type="cpu")
 
@@ -51,7 +75,7 @@ def _same_layout_keeps(rank: int, world: int) -> dict[str, object]:
 
 
 def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches() -> None:
-    for out in run_forked(_same_layout_keeps, 4, timeout_s=120):
+    for out in _in_a_clean_process(_same_layout_keeps, timeout_s=120):
         assert out["same_objects"], out
         (total, cold_misses), (again, warm_misses) = out["cold"], out["warm"]
         assert total == again == 28.0 * 3, out  # (0+...+7) x 3 columns of ones
@@ -71,7 +95,7 @@ def _other_layout_clears(rank: int, world: int) -> dict[str, object]:
 
 
 def test_another_layout_builds_new_meshes_and_clears_the_caches() -> None:
-    for out in run_forked(_other_layout_clears, 4, timeout_s=120):
+    for out in _in_a_clean_process(_other_layout_clears, timeout_s=120):
         assert out["new_objects"], out
         assert out["on_switch"][0] == out["on_return"][0] == 84.0, out
         assert out["on_switch"][1] > 0 and out["on_return"][1] > 0, out  # missed: cleared
@@ -95,7 +119,7 @@ def _foreign_mesh_clears(rank: int, world: int) -> dict[str, object]:
 def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse() -> None:
     """A mesh of the caller's own (equal to a view of the kept ones) may be in the caches: the
     reuse hands out the kept meshes but clears them."""
-    for out in run_forked(_foreign_mesh_clears, 4, timeout_s=120):
+    for out in _in_a_clean_process(_foreign_mesh_clears, timeout_s=120):
         assert out["reused"] and out["after"] == (84.0, out["after"][1]) and out["after"][1] > 0, out
 
 
@@ -114,7 +138,7 @@ def _new_process_group(rank: int, world: int, store_dir: str) -> dict[str, objec
 def test_a_new_default_process_group_gets_new_meshes_and_working_ops(tmp_path: Path) -> None:
     """The unsafe case run for real: an entry of the first meshes coming back would route the
     second op through a destroyed group."""
-    for out in run_forked(_new_process_group, 4, str(tmp_path), timeout_s=120):
+    for out in _in_a_clean_process(_new_process_group, str(tmp_path), timeout_s=120):
         assert out["new_objects"] and out["total"] == out["again"] == 84.0, out
 
 
@@ -145,5 +169,5 @@ def _two_trainers_fully_shard(rank: int, world: int) -> list[float]:
 def test_fully_shard_gets_each_trainers_own_mesh_objects() -> None:
     """"different mesh objects" is what an equal mesh of an earlier layout coming back from the
     caches makes fully_shard raise (the reason the caches were cleared for every trainer)."""
-    for out in run_forked(_two_trainers_fully_shard, 4, timeout_s=180):
+    for out in _in_a_clean_process(_two_trainers_fully_shard, timeout_s=180):
         assert out == [8.0] * 4, out
