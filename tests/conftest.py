@@ -169,9 +169,11 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + warm
 
 
-#: ``0`` runs every forked launch in fresh processes (torchtitan_spmd.launcher.run_forked's
-#: default), for a test run that must not share ranks between tests; otherwise launches reuse
-#: warm worlds (``launcher.warm_worlds``), except in tests marked ``fresh_world``.
+#: ``1`` lets forked launches reuse warm worlds (``launcher.warm_worlds``), except in tests marked
+#: ``fresh_world``. Off by default: the whole suite's first fresh-clone run with them on used more
+#: CPU on the tests it shares with the last stop's run (3,835 s against 2,788, partly under other
+#: load), though single files of one layout saved up to 40 % (docs/benchmarks.md); until a clean
+#: side-by-side run says otherwise, every launch runs in fresh forks, as before.
 WARM_WORLDS_ENV = "TORCHTITAN_SPMD_WARM_WORLDS"
 
 
@@ -181,7 +183,7 @@ def _warm_worlds() -> Iterator[None]:
         from torchtitan_spmd.launcher import warm_worlds
     except ImportError:  # the stack check's lower prefixes block the launcher's layer
         warm_worlds = None
-    if warm_worlds is None or os.environ.get(WARM_WORLDS_ENV, "1") == "0":
+    if warm_worlds is None or os.environ.get(WARM_WORLDS_ENV, "0") != "1":
         yield
         return
     # Each warm rank imports what every trainer launch needs, once (debug.deterministic imports
