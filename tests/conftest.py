@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -167,41 +166,6 @@ def _cpu_seconds() -> float:
     launcher = sys.modules.get("torchtitan_spmd.launcher")  # (not loaded: no warm world either)
     warm = launcher.warm_cpu_seconds() if launcher is not None else 0.0
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + warm
-
-
-#: ``1`` lets forked launches reuse warm worlds (``launcher.warm_worlds``), except in tests marked
-#: ``fresh_world``. Off by default: the whole suite's first fresh-clone run with them on used more
-#: CPU on the tests it shares with the last stop's run (3,835 s against 2,788, partly under other
-#: load), though single files of one layout saved up to 40 % (docs/benchmarks.md); until a clean
-#: side-by-side run says otherwise, every launch runs in fresh forks, as before.
-WARM_WORLDS_ENV = "TORCHTITAN_SPMD_WARM_WORLDS"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _warm_worlds() -> Iterator[None]:
-    try:
-        from torchtitan_spmd.launcher import warm_worlds
-    except ImportError:  # the stack check's lower prefixes block the launcher's layer
-        warm_worlds = None
-    if warm_worlds is None or os.environ.get(WARM_WORLDS_ENV, "0") != "1":
-        yield
-        return
-    # Each warm rank imports what every trainer launch needs, once (debug.deterministic imports
-    # torch._inductor: seconds per rank otherwise).
-    with warm_worlds(preload=("torch._inductor", "torchtitan_spmd.train")):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _fresh_world_when_marked(request: pytest.FixtureRequest) -> Iterator[None]:
-    marker = request.node.get_closest_marker("fresh_world")
-    if marker is None:
-        yield
-        return
-    from torchtitan_spmd.launcher import warm_worlds
-
-    with warm_worlds(False):
-        yield
 
 
 def slow_reason(item: pytest.Item) -> str | None:

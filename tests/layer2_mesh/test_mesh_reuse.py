@@ -2,7 +2,8 @@
 caches are kept only while they can refer to nothing else (``distributed/mesh_reuse.py``).
 
 Real gloo ranks, each case forked from a clean process (a fork server's child: this worker's
-earlier tests, and a warm world's earlier launches, would change what the process holds): whether a DTensor op's sharding decision misses the cache is the observable. The unsafe cases
+earlier tests, and a warm world's earlier launches, would change what the process holds): whether a DTensor op's sharding decision misses the cache is the observable.
+fully_shard over a second trainer's mesh is layer 3's (tests/layer3_runtime/test_mesh_reuse_fsdp.py). The unsafe cases
 are run for real: an op on a second, equal mesh over a destroyed and re-created process group
 (which fails if an entry of the first comes back), and fully_shard over a second trainer's
 mesh object.
@@ -48,8 +49,9 @@ def _in_a_clean_process(fn: Any, *args: Any, timeout_s: float) -> list[Any]:
 
     with tempfile.TemporaryDirectory(prefix="mesh-reuse-") as tmp:
         out = Path(tmp) / "out.pkl"
-        code = (f"import pickle, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                "import test_mesh_reuse as t\n"
+        module = sys.modules[fn.__module__]
+        code = (f"import pickle, sys; sys.path.insert(0, {str(Path(module.__file__).parent)!r})\n"
+                f"import {fn.__module__.rsplit('.', 1)[-1]} as t\n"
                 "from torchtitan_spmd.launcher import run_forked\n"
                 f"res = run_forked(getattr(t, {fn.__name__!r}), 4, *{args!r}, timeout_s={timeout_s})\n"
                 f"pickle.dump(res, open({str(out)!r}, 'wb'))\n")
@@ -140,34 +142,3 @@ def test_a_new_default_process_group_gets_new_meshes_and_working_ops(tmp_path: P
     second op through a destroyed group."""
     for out in _in_a_clean_process(_new_process_group, str(tmp_path), timeout_s=120):
         assert out["new_objects"] and out["total"] == out["again"] == 84.0, out
-
-
-def _two_trainers_fully_shard(rank: int, world: int) -> list[float]:
-    """fully_shard(dp_mesh_dims=...) on full_dtensor parameters, twice in one process: each model on
-    the meshes its ParallelDims handed out (the first trainer's kept, then another layout's, then
-    the first layout again)."""
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-
-    from torchtitan_spmd.distributed.representation import get_representation
-
-    out = []
-    for tp in (2, 2, 1, 2):
-        pd = _pd(tp=tp, dp_shard=4 // tp)
-        pd.build_mesh()
-        spec = get_representation("full_dtensor")(pd).fsdp_spec()
-        assert spec is not None and spec.dp_mesh_dims is not None
-        model = nn.Linear(4, 4, bias=False)
-        model.weight = nn.Parameter(distribute_tensor(torch.eye(4), spec.mesh, [Replicate()] * spec.mesh.ndim))
-        fully_shard(model, mesh=spec.mesh, dp_mesh_dims=spec.dp_mesh_dims)
-        y = model(distribute_tensor(torch.ones(2, 4), spec.mesh, [Replicate()] * spec.mesh.ndim))
-        out.append(float((y.full_tensor() if isinstance(y, DTensor) else y).sum()))
-    return out
-
-
-def test_fully_shard_gets_each_trainers_own_mesh_objects() -> None:
-    """"different mesh objects" is what an equal mesh of an earlier layout coming back from the
-    caches makes fully_shard raise (the reason the caches were cleared for every trainer)."""
-    for out in _in_a_clean_process(_two_trainers_fully_shard, timeout_s=180):
-        assert out == [8.0] * 4, out
