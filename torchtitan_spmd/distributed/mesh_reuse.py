@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["BuiltMeshes", "clear_dtensor_sharding_caches", "forget", "remember", "reusable", "settle_caches"]
+__all__ = ["BuiltMeshes", "clear_dtensor_sharding_caches", "remember", "reusable", "settle_caches"]
 
 
 def clear_dtensor_sharding_caches() -> None:
@@ -79,12 +79,6 @@ def reusable(key: tuple[Any, ...]) -> BuiltMeshes | None:
 def remember(key: tuple[Any, ...], built: BuiltMeshes) -> None:
     """Keep ``built`` (only it) for the next ``ParallelDims`` of ``key`` on this default group."""
     _LAST[:] = [(key, built)]
-
-
-def forget() -> None:
-    """Drop the kept meshes, and clear the caches that may refer to them."""
-    _LAST.clear()
-    clear_dtensor_sharding_caches()
 
 
 def _root(mesh: DeviceMesh) -> DeviceMesh:
