@@ -62,7 +62,7 @@ from torchtitan_spmd.compat.parallel_dims import legacy_parallel_dims  # compat 
 from torchtitan_spmd.config.backends import BackendMeshes, backend
 from torchtitan_spmd.config.surface import check_backend_spelling, get_surface
 
-from . import _mesh_compat, mesh_reuse
+from . import _mesh_compat, mesh_reuse, planner_memo
 from .layout import SpmdLayout
 
 if TYPE_CHECKING:
@@ -447,6 +447,7 @@ class ParallelDims:
                 f"ParallelDims: world_size is {self.world_size} but the default process "
                 f"group has {dist.get_world_size()} ranks."
             )
+        planner_memo.install()  # DTensor's redistribution planner, each edge priced once
         key = self._reuse_key()
         built = mesh_reuse.reusable(key)
         if built is not None:
