@@ -152,6 +152,7 @@ def test_works_without_compat(tmp_path: Path) -> None:
             "torchtitan_spmd", "torchtitan_spmd._errors", "torchtitan_spmd._surface", "torchtitan_spmd.distributed",
             "torchtitan_spmd.distributed.parallel_dims", "torchtitan_spmd.distributed.layout",
             "torchtitan_spmd.distributed._mesh_compat", "torchtitan_spmd.distributed.mesh_reuse",
+            "torchtitan_spmd.distributed.planner_memo",
         }
         loaded = {m for m in sys.modules if m.startswith("torchtitan_spmd")}
         extra = sorted(m for m in loaded - allowed if not m.startswith("torchtitan_spmd.config"))

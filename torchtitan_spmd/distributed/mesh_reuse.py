@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import planner_memo
+
 __all__ = ["BuiltMeshes", "clear_dtensor_sharding_caches", "remember", "reusable", "settle_caches"]
 
 
@@ -49,6 +51,7 @@ def clear_dtensor_sharding_caches() -> None:
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:
         clear_native()
+    planner_memo.clear()  # its keys hold specs, and so meshes
 
 
 @dataclass

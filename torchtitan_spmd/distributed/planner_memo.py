@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ENV", "install", "installed", "uninstall", "unsupported_reason"]
+__all__ = ["ENV", "clear", "install", "installed", "uninstall", "unsupported_reason"]
 
 #: ``0`` leaves torch's planner as it is.
 ENV = "TORCHTITAN_SPMD_PLANNER_MEMO"
@@ -52,6 +52,12 @@ def _planner_class() -> Any:
     return getattr(_redistribute, "DTensorRedistributePlanner", None)
 
 
+def _strategy_utils() -> Any:
+    from torch.distributed.tensor._ops import utils  # noqa: PLC0415 - heavy import
+
+    return utils
+
+
 def unsupported_reason() -> str | None:
     """Why this torch's planner cannot be memoised (its shape differs), or ``None``."""
     cls = _planner_class()
@@ -63,6 +69,8 @@ def unsupported_reason() -> str | None:
     params = list(inspect.signature(cls.get_next_state).parameters)
     if params != ["self", "placements", "tensor_mesh_dim_tuple"]:
         return f"DTensorRedistributePlanner.get_next_state takes {params}"
+    if not callable(getattr(_strategy_utils(), "redistribute_cost", None)):
+        return "torch.distributed.tensor._ops.utils has no redistribute_cost"
     for attr in ("strided_shard_placements_in_target", "partial_reduce_ops_in_target", "cost_function"):
         if attr not in inspect.getsource(cls):
             return f"DTensorRedistributePlanner has no {attr}"
@@ -87,6 +95,38 @@ def _memoised_cost(cost_function: Callable[[Any, Any], Any]) -> Callable[[Any, A
             price = prices[key] = cost_function(src_state, dst_state)
             return price
 
+    return cost
+
+
+#: ``redistribute_cost`` results by (current spec, target spec), for strategy selection; bounded.
+_COSTS: dict[tuple[Any, Any], float] = {}
+_COSTS_MAX = 1 << 17
+
+
+def clear() -> None:
+    """Forget the memoised redistribution costs (with DTensor's own caches: mesh_reuse)."""
+    _COSTS.clear()
+
+
+def _memoised_redistribute_cost(redistribute_cost: Callable[[Any, Any], float]) -> Callable[[Any, Any], float]:
+    from torch.distributed._functional_collectives import _are_we_tracing  # noqa: PLC0415
+
+    @functools.wraps(redistribute_cost)
+    def cost(current_spec: Any, target_spec: Any) -> float:
+        if _are_we_tracing():  # symbolic shapes: torch plans these uncached too
+            return redistribute_cost(current_spec, target_spec)
+        key = (current_spec, target_spec)
+        try:
+            return _COSTS[key]
+        except KeyError:
+            pass
+        value = redistribute_cost(current_spec, target_spec)
+        if len(_COSTS) >= _COSTS_MAX:
+            _COSTS.clear()
+        _COSTS[key] = value
+        return value
+
+    cost._torchtitan_spmd_memo = redistribute_cost  # type: ignore[attr-defined]
     return cost
 
 
@@ -132,6 +172,8 @@ def install() -> bool:
     cls.setup_cost_callbacks = setup_cost_callbacks
     cls.get_next_state = get_next_state
     setattr(cls, _MARK, (setup, expand))
+    utils = _strategy_utils()
+    utils.redistribute_cost = _memoised_redistribute_cost(utils.redistribute_cost)
     return True
 
 
@@ -143,3 +185,6 @@ def uninstall() -> None:
         return
     cls.setup_cost_callbacks, cls.get_next_state = saved
     delattr(cls, _MARK)
+    utils = _strategy_utils()
+    utils.redistribute_cost = getattr(utils.redistribute_cost, "_torchtitan_spmd_memo", utils.redistribute_cost)
+    clear()
