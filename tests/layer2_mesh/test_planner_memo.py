@@ -27,8 +27,12 @@ pytestmark = pytest.mark.skipif(planner_memo.unsupported_reason() is not None,
 def _plan_all(mesh_shape: tuple[int, ...], tensor_shape: tuple[int, ...], every: int) -> list[Any]:
     """Plan every ``every``-th (source, target) pair over a grid of placements, graph-based."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: PLC0415
-    from torch.distributed.tensor import _redistribute  # noqa: PLC0415
+    from torch.distributed.tensor import (  # noqa: PLC0415
+        Partial,
+        Replicate,
+        Shard,
+        _redistribute,  # noqa: PLC0415
+    )
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: PLC0415
     from torch.distributed.tensor.placement_types import _StridedShard  # noqa: PLC0415
 
