@@ -299,7 +299,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise ValueError("ring_attention: this torch's ring attention takes the cp DeviceMesh; pass mesh=.")
         where = mesh
     if torch.compiler.is_compiling() and where is None:
-        return _traced_ring_attention(query, key, value, group.group_name, rotate_method, load_balance)
+        return _traced()(query, key, value, group.group_name, rotate_method, load_balance)
     return _RingAttention.apply(query, key, value, group, rotate_method, load_balance, where)
 
 
@@ -315,7 +315,19 @@ def _ring_attention_by_name(query: torch.Tensor, key: torch.Tensor, value: torch
                                 load_balance, None)
 
 
-_traced_ring_attention = torch._dynamo.nonstrict_trace(_ring_attention_by_name)
+#: :func:`_ring_attention_by_name` marked ``nonstrict_trace``; made on first use (by
+#: :func:`apply_context_parallel`, before any compile): marking imports all of Dynamo, about a
+#: second of CPU on every rank and every ``torchrun`` start that never compiles.
+_traced_ring_attention: Callable[..., torch.Tensor] | None = None
+
+
+def _traced() -> Callable[..., torch.Tensor]:
+    global _traced_ring_attention
+    if _traced_ring_attention is None:
+        import torch._dynamo  # noqa: PLC0415 - heavy: only for CP
+
+        _traced_ring_attention = torch._dynamo.nonstrict_trace(_ring_attention_by_name)
+    return _traced_ring_attention
 
 
 # --------------------------------------------------------------------------- one rank's share
@@ -440,6 +452,7 @@ def apply_context_parallel(model: nn.Module, plan: ShardingPlan, cp: ContextPara
     """
     if cp is None:
         return
+    _traced()  # outside any compile: Dynamo reads the marked function as a global
     if not plan.attention:
         raise ValueError("context parallelism: the sharding plan names no attention kernel "
                          "(ShardingPlan.attention); it cannot shard the sequence.")
