@@ -74,13 +74,36 @@ def run_trainer(cfg: JobConfig, world: int = 4, probe: str | None = None) -> tup
     return outs, grad_probe.merge([t for _, t in results])[0]
 
 
+def _tokens_per_cp_rank(forward: Any, cp: int, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` (a float8 linear's) applied to each context-parallel rank's tokens on their own
+    (headtail: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``), so that the weight
+    gradient's per-column scales, taken along the tokens, are those of one rank's tokens, as under
+    CP, where each rank's matmuls see only its own. Per-token scales (the forward's input, the
+    input gradient's output gradient) are the same either way."""
+    chunks = x.chunk(2 * cp, dim=1)
+    halves = [forward(torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=1)).chunk(2, dim=1) for r in range(cp)]
+    return torch.cat([halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))], dim=1)
+
+
+def _per_cp_rank(model: torch.nn.Module, cp: int) -> int:
+    """Make every float8 linear of ``model`` see each CP rank's tokens on their own; how many."""
+    wrapped = 0
+    for module in model.modules():
+        if type(module).__name__ == "Float8Linear":
+            module.forward = functools.partial(_tokens_per_cp_rank, module.forward, cp)
+            wrapped += 1
+    return wrapped
+
+
 @functools.cache
 def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = (),
-                      rows: int = LOCAL_BATCH) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[str, float], ...]]:
+                      rows: int = LOCAL_BATCH, cp: int = 1) -> tuple[tuple[tuple[float, float], ...],
+                                                                 tuple[tuple[str, float], ...]]:
     """``((loss, grad_norm) per step, (name, step-1 gradient norm) per parameter)`` of torchao's own
     float8 model (emulated ``recipe``) on the parity job's data over ``dp`` data-parallel ranks;
     the linears whose name is in ``skip`` stay in high precision. ``rows``: the rows of one
-    forward (a pipeline's microbatch: its own scales)."""
+    forward (a pipeline's microbatch: its own scales). ``cp``: each linear sees each of ``cp``
+    context-parallel ranks' tokens on their own (headtail load balancing)."""
     import torchao.float8 as f8
 
     from torchtitan_spmd import reference
@@ -97,6 +120,8 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
     n_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     want = 15 - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1 for s in skip)
     assert n_float8 == want, f"torchao converted {n_float8} linears, expected {want}"
+    if cp > 1:
+        assert _per_cp_rank(model, cp) == n_float8
     opt_cfg = cfg.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
                             betas=reference.ADAMW_BETAS, foreach=False)
@@ -295,7 +320,8 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
     outs, trace = run_trainer(cfg)
     degrees = parallelism or PARALLELISM
     dp = degrees.get("data_parallel_replicate_degree", 1) * degrees.get("data_parallel_shard_degree", 1)
-    ref, ref_norms = torchao_reference("rowwise", dp, skip=skip, rows=rows)
+    ref, ref_norms = torchao_reference("rowwise", dp, skip=skip, rows=rows,
+                                      cp=degrees.get("context_parallel_degree", 1))
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
         assert loss == pytest.approx(want_loss, rel=F8_TOL), (cell, step, got, ref)

@@ -176,6 +176,12 @@ CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int, str]] =
     # HSDP: four data-parallel ranks, each scaling its own rows
     "default-hsdp2x2": ("default", (), {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}, 2,
                         "none"),
+    # CP: each rank's matmuls scale its own tokens (headtail chunks), as data parallelism's do; the
+    # judge runs each linear on each CP rank's tokens on their own
+    "full_dtensor-cp2_tp2": ("full_dtensor", (), {"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 2,
+                             "none"),
+    "full_dtensor-fsdp2_cp2": ("full_dtensor", (), {"data_parallel_shard_degree": 2, "context_parallel_degree": 2},
+                               2, "none"),
 }
 
 

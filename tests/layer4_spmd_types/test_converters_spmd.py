@@ -21,6 +21,13 @@ def test_float8_type_checked_matches_torchaos_single_process_model() -> None:
     check_float8_parity("spmd_types-fsdp2_tp2-typechecked", "spmd_types", (), spmd_typechecking=True)
 
 
+def test_float8_cp_tp_type_checked_matches_torchaos_single_process_model() -> None:
+    """CP 2 x TP 2, type-checked: each rank's float8 matmuls scale its own (headtail) tokens, the
+    amaxes over tp-sharded axes reduced by typed collectives, the ring attention between them."""
+    check_float8_parity("spmd_types-cp2_tp2-typechecked", "spmd_types", (),
+                        {"context_parallel_degree": 2, "tensor_parallel_degree": 2}, spmd_typechecking=True)
+
+
 def test_float8_pp_selective_ac_matches_torchaos_single_process_model() -> None:
     """PP 2 x FSDP 2 with selective activation checkpointing, type-checked: each stage's float8
     linears on typed local shards (no tp: nothing to reduce), one row a microbatch."""
