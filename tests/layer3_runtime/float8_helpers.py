@@ -218,8 +218,7 @@ def lora_probe(trainer: Any) -> dict[str, Any]:
         names = {id(p): plain_fqn(n) for n, p in trainer.model.named_parameters()}
         with_state = sorted(names[id(p)] for p, s in trainer.optimizer.state.items() if s)
         trainable = sorted(plain_fqn(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
-        if trainer.rank != 0:
-            return None
+        # every rank: under PP each holds its stages' parameters (the test merges them)
         return {"weights": {k: v.detach().tolist() for k, v in full.items()}, "with_state": with_state,
                 "trainable": trainable}
 
@@ -334,7 +333,8 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
         assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
 
 
-def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, **debug: Any) -> None:
+def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, parallelism: dict[str, Any] | None = None,
+               **debug: Any) -> None:
     """LoRA (rank 4 on wq, wk, wv, wo; after float8 emulated with ``float8=True``, as upstream's
     ``llama3_debugmodel_float8_emulate_lora``) at FSDP 2 x TP 2, 3 steps, then the Hugging Face
     export: the frozen base is bit-identical to its initial weights, every adapter moved, only the
@@ -349,13 +349,18 @@ def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, **debug: An
     if backend == "full_dtensor":
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
     converters = [Float8LinearConverterConfig(emulate=True), LORA] if float8 else [LORA]
-    cfg = float8_job(backend, converters, **debug)
+    cfg = float8_job(backend, converters, parallelism=parallelism, **debug)
     cfg.job.dump_folder = str(tmp_path)
     cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
     cfg.checkpoint.last_save_in_hf, cfg.checkpoint.export_dtype = True, "float32"
     cfg.validate()
     outs, trace = run_trainer(cfg, probe="float8_helpers:lora_probe")
-    probe = outs[0]["probe"]
+    probe: dict[str, Any] = {"weights": {}, "with_state": set(), "trainable": set()}
+    for out in outs:  # the ranks' parameters merged (one stage each under PP; all of them otherwise)
+        probe["weights"].update(out["probe"]["weights"])
+        for what in ("with_state", "trainable"):
+            probe[what].update(out["probe"][what])
+    probe["with_state"], probe["trainable"] = sorted(probe["with_state"]), sorted(probe["trainable"])
     weights = {k: torch.tensor(v) for k, v in probe["weights"].items()}
     adapters = sorted(k for k in weights if k.endswith(("lora_a", "lora_b")))
     assert len(adapters) == 2 * 4 * 2  # 2 blocks x (wq, wk, wv, wo) x (a, b)
@@ -363,6 +368,7 @@ def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, **debug: An
         extra = sorted(set(probe[what]) - set(adapters))
         assert probe[what] == adapters, f"{what}: {len(extra)} beyond the adapters, e.g. {extra[:2]}"
     start = initial_weights("llama3", "tiny", cfg.debug.seed, 320)
+    assert set(start) <= set(weights), f"no rank reported {sorted(set(start) - set(weights))[:3]}"
     for name, value in start.items():
         if name in weights:
             assert torch.equal(weights[name], value), f"the frozen {name} moved"

@@ -228,6 +228,13 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path: Any, backend
     check_lora(tmp_path, backend, float8=float8)
 
 
+def test_lora_under_pipeline_parallelism_matches_peft(tmp_path: Any) -> None:
+    """PP 2 x FSDP 2 (1F1B): each stage trains its own blocks' adapters, the frozen base on both
+    stages stays bit-identical, the adapters match peft's, and the merged export (written by
+    both stages) equals the LoRA model's logits."""
+    check_lora(tmp_path, "default", parallelism=PP2_FSDP2)
+
+
 # ----------------------------------------------------------------------------- LoRA checkpoints
 def _run(rank: int, world: int, cfg: Any) -> list[float]:
     from torchtitan_spmd.train import Trainer
