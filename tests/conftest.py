@@ -65,23 +65,7 @@ def test_backend_of(item: pytest.Item) -> str | None:
 test_backend_of.__test__ = False  # type: ignore[attr-defined]
 
 
-def _heavy_files_first(items: list[pytest.Item]) -> None:
-    """Files holding a ``slow`` test first, each file's tests in their order: pytest-xdist hands out
-    whole files (``--dist loadfile``) in this order, so the longest come first and the short ones
-    fill the end, instead of one worker finishing a long file alone (measured: 40 to 55 s of one
-    idle core at the end of the CI's run)."""
-    first: dict[str, int] = {}
-    heavy: set[str] = set()
-    for i, item in enumerate(items):
-        path = str(item.path)
-        first.setdefault(path, i)
-        if item.get_closest_marker("slow") is not None:
-            heavy.add(path)
-    items.sort(key=lambda item: (str(item.path) not in heavy, first[str(item.path)]))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _heavy_files_first(items)
     wanted = config.getoption("--backend")
     if wanted == "all":
         return
