@@ -22,6 +22,11 @@ planner cache:
   new targets (``strided_shard_placements_in_target``, ``partial_reduce_ops_in_target``), so they
   are part of its key. The caller mutates the returned dict; each call gets a copy.
 
+One layer up, strategy selection's ``redistribute_cost(current, target)`` (the price of each
+candidate strategy's input redistributions) is memoised per spec pair across planners, the key
+torch's own plan cache uses; it is bounded, skipped while tracing, and cleared with DTensor's
+sharding caches (``mesh_reuse.clear_dtensor_sharding_caches``), since its keys hold meshes.
+
 The plans are the same objects torch would compute (``tests/layer2_mesh/test_planner_memo.py``
 compares them over a grid of placements on 1-, 2- and 3-axis meshes). :func:`install` checks the
 planner's shape first and leaves torch alone when it differs (another torch version); the
