@@ -197,3 +197,25 @@ def test_a_process_forked_from_one_with_a_warm_world_does_not_use_it(tmp_path) -
         assert not set(pids) & {r["pid"] for r in before}
         after = run_forked(_what_the_rank_sees, 2, False, timeout_s=60)  # the parent's world still works
         assert [r["pid"] for r in after] == [r["pid"] for r in before]
+
+
+def _start_time(rank: int, world: int) -> float:
+    return time.time()
+
+
+def test_no_rank_starts_its_function_before_every_rank_has_connected(monkeypatch) -> None:
+    """gloo's ``init_process_group`` returns on a rank once its own side is up; a rank that then
+    ran a function with no collective and exited closed a socket its peer was still reading
+    ("Connection closed by peer": 2 launches in 100 under load, and one CI run). Here rank 1
+    lingers 1.5 s after its init: rank 0 must not start before it is done."""
+    real = dist.init_process_group
+
+    def slow_on_rank_1(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs.get("rank") == 1:
+            time.sleep(1.5)
+
+    monkeypatch.setattr(dist, "init_process_group", slow_on_rank_1)
+    with warm_worlds(False):  # fresh forks inherit the patch
+        started = run_forked(_start_time, 2, timeout_s=60)
+    assert started[0] >= started[1] - 0.5, started
