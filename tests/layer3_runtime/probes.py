@@ -102,7 +102,14 @@ def block_calls(trainer: Any) -> dict[str, Any]:
 
 
 def compiled_graphs(trainer: Any) -> dict[str, Any]:
-    """How many distinct graphs Dynamo compiled in this rank."""
-    from torch._dynamo.utils import counters
+    """How many distinct graphs Dynamo compiled in this rank, and why it compiled a function
+    again (the guard failures since set-up: every block of the model runs the same code, so a
+    block that compiles anew guards on something that differs between blocks)."""
+    from torch._dynamo.utils import counters, guard_failures
 
-    return {"result": lambda: int(counters["stats"]["unique_graphs"])}
+    def failures() -> list[str]:
+        return [reason for reasons in list(guard_failures.values()) for reason in reasons]
+
+    before = len(failures())
+    return {"result": lambda: {"graphs": int(counters["stats"]["unique_graphs"]),
+                               "recompiles": failures()[before:]}}

@@ -109,13 +109,19 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, representation: TensorRepre
 
 
 def _install(fqn: str, module: nn.Module, mplan: ModulePlan, rep: TensorRepresentation) -> None:
+    # The messages' module names are made here, not in the hooks: a hook that formats ``fqn`` makes
+    # Dynamo guard on it, and every block (same code, another name) then compiles anew (see
+    # techniques/compile.py). Passed along unread, they cost the traced graph nothing.
+    input_wheres = [f"{fqn} input #{i}" for i in range(len(mplan.inputs))]
+    output_where = f"{fqn} output"
+
     def pre_hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         out = list(args)
         for i, b in enumerate(mplan.inputs[: len(args)]):
             src = boundary_src(b)
             if src is None:
                 continue
-            where = f"{fqn} input #{i}"
+            where = input_wheres[i]
             x = rep.arrive(args[i], src, module=module, where=where)
             if isinstance(b, Redistribute):
                 x = rep.redistribute(x, b.src, b.dst, where=where)
@@ -123,7 +129,7 @@ def _install(fqn: str, module: nn.Module, mplan: ModulePlan, rep: TensorRepresen
         return tuple(out)
 
     def post_hook(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        b, where = mplan.output, f"{fqn} output"
+        b, where = mplan.output, output_where
         if isinstance(b, Redistribute):
             output = rep.redistribute(output, b.src, b.dst, where=where)
         return rep.depart(output, boundary_dst(b), where=where)
