@@ -135,7 +135,8 @@ def check_compile(backend: str, compile_backend: str, components: list[str]) -> 
     want = 1 + ("loss" in components)
     assert got["probe"]["graphs"] >= want, f"Dynamo captured {got['probe']['graphs']} graph(s), expected >= {want}"
     # and nothing compiled twice: a block that recompiles per layer hits Dynamo's recompile limit
-    # at 8 layers and runs the rest eagerly, silently (found: the plan's hooks named their block)
+    # (8), which fullgraph=True makes a hard failure at the ninth block (found: the plan's hooks
+    # formatted their block's name, and Dynamo guarded on it)
     assert not got["probe"]["recompiles"], got["probe"]["recompiles"]
     return _compare(got["records"], baseline(backend), COMPILE_TOL)
 
