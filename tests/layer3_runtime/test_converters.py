@@ -191,6 +191,20 @@ def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
     check_float8_parity(cell, backend, skip, parallelism, rows, ac=ac)
 
 
+#: EP 2 within FSDP 2 x TP 2 (the ``ep`` pair borrowed from dp_shard x tp, as the EP compose tests'
+#: ``ep2_sp``): the attention linears and the output in float8, the experts exchanged in high precision.
+EP2 = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2}
+
+
+@pytest.mark.parametrize("backend", ["default", "full_dtensor"])
+def test_float8_dense_layers_under_expert_parallelism_match_torchaos_model(backend: str) -> None:
+    """The tiny MoE (qwen3 ``moe_tiny``) under EP 2: its dense linears float8 (rowwise, emulated),
+    its experts' tokens exchanged over ``ep`` in high precision, against torchao's own model of the
+    same MoE on one process, both routing round-robin (float8 with top-k routing is chaotic:
+    ``float8_helpers.MODELS``). spmd_types: layer 4."""
+    check_float8_parity(f"{backend}-fsdp2_tp2_ep2-moe", backend, (), EP2, model="qwen3")
+
+
 def test_float8_scales_on_shards_are_the_unsharded_ones() -> None:
     """Under TP every scale a sharded float8 matmul uses is the one torchao's single-process model
     computes for the same operand: equal where the scaled rows are whole on the rank, this rank's

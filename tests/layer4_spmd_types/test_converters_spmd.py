@@ -36,6 +36,16 @@ def test_float8_pp_selective_ac_matches_torchaos_single_process_model() -> None:
                         spmd_typechecking=True)
 
 
+def test_float8_dense_layers_under_expert_parallelism_type_checked_match_torchaos_model() -> None:
+    """The tiny MoE at FSDP 2 x TP 2 with EP 2, type-checked: the attention linears and the output
+    float8 on typed local shards (their amaxes reduced over tp), the experts' tokens exchanged
+    over ep in high precision, against torchao's own model of the same MoE on one process (both
+    routing round-robin: ``float8_helpers.MODELS``)."""
+    check_float8_parity("spmd_types-fsdp2_tp2_ep2-moe-typechecked", "spmd_types", (),
+                        {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+                        model="qwen3", spmd_typechecking=True)
+
+
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
     """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
     adapters' pending sum over tp goes through a matmul the checker knows to be linear."""
