@@ -14,10 +14,9 @@ from torchtitan_spmd.launcher import warm_worlds
 __all__ = ["WARM_WORLDS_ENV", "fresh_world_when_marked", "warm_worlds_when_asked"]
 
 #: ``1`` lets forked launches reuse warm worlds (``launcher.warm_worlds``), except in tests marked
-#: ``fresh_world``. Off by default: the whole suite's first fresh-clone run with them on used more
-#: CPU on the tests it shares with the last stop's run (3,835 s against 2,788, partly under other
-#: load), though single files of one layout saved up to 40 % (docs/benchmarks.md); until a clean
-#: side-by-side run says otherwise, every launch runs in fresh forks, as before.
+#: ``fresh_world``. Off by default: single files of one layout saved up to 40 %, but the whole
+#: suite, idle, side by side with fresh forks, used 6 % more CPU (3,061 s against 2,891:
+#: docs/benchmarks.md, round four): most files change layout from one launch to the next.
 WARM_WORLDS_ENV = "TORCHTITAN_SPMD_WARM_WORLDS"
 
 
