@@ -2,7 +2,7 @@
 judge it is compared with: torchao's own single-process ``Float8Linear`` model, which shares no
 code with the library's float8 technique.
 
-The judge is the tiny Llama built from the same seed (the family's ``initial_value``, which every
+The judge is the tiny Llama (or the tiny MoE: :data:`MODELS`) built from the same seed (the family's ``initial_value``, which every
 layout starts from), converted by ``torchao.float8.convert_to_float8_training`` with the same
 recipe, trained with ``torch.optim.AdamW`` on the same global batches, the learning rate from the
 reference's closed form (:func:`torchtitan_spmd.reference.lr_factor`). Each data-parallel rank's
@@ -27,18 +27,18 @@ from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.config.converters import Float8LinearConverterConfig, LoRAConverterConfig
 from torchtitan_spmd.launcher import run_forked
 
-__all__ = ["F8_STEPS", "F8_TOL", "LORA", "PARALLELISM", "check_float8_parity", "check_lora", "float8_job", "run_trainer",
-           "torchao_reference"]
+__all__ = ["EP2", "F8_STEPS", "F8_TOL", "LORA", "MODELS", "PARALLELISM", "check_float8_parity", "check_lora",
+           "float8_job", "run_trainer", "torchao_reference"]
 
 PARALLELISM: dict[str, Any] = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}
 F8_STEPS = 3
 LOCAL_BATCH = 2
 
 
-#: model family -> (flavour, the linears torchao converts with nothing skipped): ``llama3``'s tiny
-#: (7 linears a block, 2 blocks, the output) and ``qwen3``'s ``moe_tiny`` (the 4 attention linears
-#: a block, 2 blocks, the output; the experts are grouped weights, not linears, and the router's
-#: 8 outputs are no multiple of 16).
+#: model family -> (flavour, the linears torchao converts with nothing skipped, MoE routers):
+#: ``llama3``'s tiny (7 linears a block, 2 blocks, the output) and ``qwen3``'s ``moe_tiny`` (the 4
+#: attention linears a block, 2 blocks, the output; the experts are grouped weights, not linears,
+#: and the router's 8 outputs are no multiple of 16).
 #:
 #: The MoE routes round-robin (``debug.moe_force_load_balance``, upstream's debug switch; in the
 #: judge, each router's ``force_load_balance``): float8 with top-k routing is chaotic. A float8
@@ -46,7 +46,11 @@ LOCAL_BATCH = 2
 #: expert choice moves the loss. Measured: torchao's model against itself with its weights
 #: perturbed by 1e-6 (relative) moved 1e-6, 4.2e-6 and 4.1e-5 over three steps; the trainer at
 #: FSDP 2 x TP 2 against it, 1.7e-7, 3.8e-5 and 7.5e-5; with the routing forced, both 0.
-MODELS: dict[str, tuple[str, int]] = {"llama3": ("tiny", 15), "qwen3": ("moe_tiny", 9)}
+MODELS: dict[str, tuple[str, int, int]] = {"llama3": ("tiny", 15, 0), "qwen3": ("moe_tiny", 9, 2)}
+
+#: EP 2 within FSDP 2 x TP 2 (the ``ep`` pair borrowed from dp_shard x tp, as the EP compose tests'
+#: ``ep2_sp``): the MoE's attention linears and output in float8, its experts exchanged in high precision.
+EP2: dict[str, Any] = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2}
 
 
 def float8_job(backend: str, converters: list[Any], *, parallelism: dict[str, Any] | None = None,
@@ -56,7 +60,7 @@ def float8_job(backend: str, converters: list[Any], *, parallelism: dict[str, An
     cfg = job_config(backend, parallelism or PARALLELISM, local_batch=LOCAL_BATCH, steps=steps, model=model,
                      **debug)
     cfg.model.flavor = MODELS[model][0]
-    cfg.debug.moe_force_load_balance = model == "qwen3"  # (see MODELS)
+    cfg.debug.moe_force_load_balance = MODELS[model][2] > 0  # an MoE routes round-robin (see MODELS)
     cfg.model.converters = list(converters)
     cfg.activation_checkpoint.mode = ac
     cfg.validate()
@@ -137,7 +141,7 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
     f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: (
         m.in_features % 16 == 0 and m.out_features % 16 == 0 and fqn.rpartition(".")[2] not in skip))
     routers = [m for m in model.modules() if hasattr(m, "force_load_balance")]
-    assert len(routers) == (2 if model_name == "qwen3" else 0), routers
+    assert len(routers) == MODELS[model_name][2], routers
     for router in routers:
         router.force_load_balance = True
     n_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())

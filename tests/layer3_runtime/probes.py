@@ -107,9 +107,9 @@ def compiled_graphs(trainer: Any) -> dict[str, Any]:
     block that compiles anew guards on something that differs between blocks)."""
     from torch._dynamo.utils import counters, guard_failures
 
-    def failures() -> list[str]:
-        return [reason for reasons in list(guard_failures.values()) for reason in reasons]
+    before = {code: len(reasons) for code, reasons in list(guard_failures.items())}
 
-    before = len(failures())
-    return {"result": lambda: {"graphs": int(counters["stats"]["unique_graphs"]),
-                               "recompiles": failures()[before:]}}
+    def since_setup() -> list[str]:  # each function's reasons past those it had at set-up
+        return [reason for code, reasons in list(guard_failures.items()) for reason in reasons[before.get(code, 0):]]
+
+    return {"result": lambda: {"graphs": int(counters["stats"]["unique_graphs"]), "recompiles": since_setup()}}

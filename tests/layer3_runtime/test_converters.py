@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from float8_helpers import check_float8_parity, check_lora
+from float8_helpers import EP2, check_float8_parity, check_lora
 from torch import nn
 
 from torchtitan_spmd.config import ConfigManager
@@ -189,11 +189,6 @@ CELLS: dict[str, tuple[str, tuple[str, ...], dict[str, Any] | None, int, str]] =
 def test_float8_matches_torchaos_single_process_model(cell: str) -> None:
     backend, skip, parallelism, rows, ac = CELLS[cell]
     check_float8_parity(cell, backend, skip, parallelism, rows, ac=ac)
-
-
-#: EP 2 within FSDP 2 x TP 2 (the ``ep`` pair borrowed from dp_shard x tp, as the EP compose tests'
-#: ``ep2_sp``): the attention linears and the output in float8, the experts exchanged in high precision.
-EP2 = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2}
 
 
 @pytest.mark.parametrize("backend", ["default", "full_dtensor"])

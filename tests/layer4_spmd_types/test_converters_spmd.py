@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("torchao.float8", reason='float8 needs the float8 extra: pip install -e ".[float8]"')
 
-from float8_helpers import check_float8_parity, check_lora  # noqa: E402
+from float8_helpers import EP2, check_float8_parity, check_lora  # noqa: E402
 
 
 def test_float8_type_checked_matches_torchaos_single_process_model() -> None:
@@ -41,9 +41,8 @@ def test_float8_dense_layers_under_expert_parallelism_type_checked_match_torchao
     float8 on typed local shards (their amaxes reduced over tp), the experts' tokens exchanged
     over ep in high precision, against torchao's own model of the same MoE on one process (both
     routing round-robin: ``float8_helpers.MODELS``)."""
-    check_float8_parity("spmd_types-fsdp2_tp2_ep2-moe-typechecked", "spmd_types", (),
-                        {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2},
-                        model="qwen3", spmd_typechecking=True)
+    check_float8_parity("spmd_types-fsdp2_tp2_ep2-moe-typechecked", "spmd_types", (), EP2, model="qwen3",
+                        spmd_typechecking=True)
 
 
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
