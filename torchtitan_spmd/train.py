@@ -13,6 +13,7 @@ per step::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
@@ -1151,14 +1152,29 @@ def dry_run(job_config: JobConfig, world_size: int) -> DryRunReport:
 
 
 def _exit(status: int) -> None:
-    """Exit with ``status``; after a communication failure without Python's clean-up, which
-    would wait on the lost peers once more for every collective still queued."""
-    if status == 1:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    raise SystemExit(status)
+    """End the process with ``status`` without the interpreter's finalization.
+
+    - **Status 1** (a communication failure): nothing more runs, not even the ``atexit``
+      handlers, which would wait on the lost peers once more for every collective still queued.
+    - **Any other status:** the ``atexit`` handlers run (logging's flush, W&B's and TensorBoard's
+      closes), then the streams are flushed and the process ends.
+
+    Why not a plain ``SystemExit``: once a functional collective has run (DTensor and FSDP2 use
+    them), the gloo backend's C++ threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) outlive
+    ``destroy_process_group()`` with no Python object left to free them (measured with torch
+    2.14.1; pytorch/pytorch#179291 describes the hazard), and tearing them down during the
+    interpreter's finalization aborted a rank now and then ("terminate called without an active
+    exception", exit -6) after a run that had finished and printed ``done:``.
+    """
+    if status != 1:
+        atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

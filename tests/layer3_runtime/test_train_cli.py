@@ -121,3 +121,40 @@ def test_torchrun_deepseek_v3_debugmodel_trains(tmp_path: Path) -> None:
     assert [int(s) for s, _, _ in steps] == [1, 2], out
     losses = [float(loss) for _, loss, _ in steps]
     assert losses[1] < losses[0] - 0.1, losses
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torchtitan_spmd import train
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD).wait()  # the collectives DTensor and FSDP2 run
+dist.destroy_process_group()
+
+class Finalized:
+    def __del__(self):
+        print("finalization ran", flush=True)
+
+KEEP = Finalized()  # a module global: freed only by the interpreter's finalization
+atexit.register(lambda: print("atexit ran", flush=True))
+sys.stdout.write("unflushed line\\n")  # a pipe buffers it
+train._exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("status", "atexit_runs"), [(0, True), (2, True), (1, False)])
+def test_the_cli_exit_skips_the_finalization_that_meets_gloo_threads(status: int, atexit_runs: bool) -> None:
+    """``python -m torchtitan_spmd.train`` ends through ``train._exit``: every ``atexit`` handler
+    runs (not after a communication failure, status 1), buffered output is written, and the
+    interpreter's finalization, which met gloo's threads left alive after ``destroy_process_group``
+    and aborted a rank now and then (exit -6), does not run."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(status)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == status, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "unflushed line" in lines, proc.stdout
+    assert ("atexit ran" in lines) is atexit_runs, proc.stdout
+    assert "finalization ran" not in lines, proc.stdout
