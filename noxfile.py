@@ -72,11 +72,8 @@ def _shared_cpu_python(session: nox.Session) -> str:
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(SHARED_VENV), external=True)
     if not stamp.exists() or stamp.read_text() != want:
-        # --no-compile: pip would byte-compile every module of torch, its CUDA wheels and the dev
-        # tools at install (38 s of a 142 s install on CI's 2 cores, docs/benchmarks.md); Python
-        # compiles the ones a process imports at its first import instead, once, into __pycache__.
         session.run(
-            str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile",
+            str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
             TORCH_SPEC, "-e", f"{ROOT}[dev]", "numpy",
             external=True,
         )
