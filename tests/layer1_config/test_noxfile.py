@@ -98,6 +98,26 @@ def test_cpu_tests_spread_over_the_workers_asked_for(tmp_path: Path) -> None:
         bad.stdout + bad.stderr
 
 
+def test_cpu_tests_cache_bytecode_where_the_environment_says_not_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``PYTHONDONTWRITEBYTECODE=1`` (the project's machines set it) the session's pytest and
+    the interpreters it starts still write their bytecode caches, so no fresh rank or subprocess
+    compiles the package again; the test module's own rewritten cache appears in ``__pycache__``."""
+    body = ("import subprocess, sys\n\n\n"
+            "def test_writes():\n"
+            "    assert sys.dont_write_bytecode is False\n"
+            "    child = subprocess.run([sys.executable, '-c', 'import sys; print(sys.dont_write_bytecode)'],\n"
+            "                           capture_output=True, text=True, check=True)\n"
+            "    assert child.stdout.strip() == 'False'\n")
+    root = _scratch_project(tmp_path, body)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    proc = _nox(root, "cpu_tests", "--backend=common")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "1 passed" in out, out
+    assert list((root / "tests" / "__pycache__").glob("test_it.*.pyc")), out
+
+
 def test_another_torch_gets_its_own_venv() -> None:
     pinned = _noxfile_values(ROOT, "")
     assert pinned["spec"] == "torch==2.14.1"
