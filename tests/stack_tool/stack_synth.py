@@ -129,6 +129,10 @@ def make_repo(root: Path, capsys: pytest.CaptureFixture[str], files: dict[str, s
               layers: list[dict] | None = None) -> Repo:
     root.mkdir(parents=True, exist_ok=True)
     git(root, "init", "-q")
+    # Bytecode caches stay out of the commits, as a real project's .gitignore keeps them (the
+    # test sessions let Python write them, and a prefix run imports the synthetic tree's modules).
+    (root / ".git" / "info").mkdir(parents=True, exist_ok=True)
+    (root / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n")
     repo = Repo(root, capsys)
     for path, text in (files if files is not None else BASE_FILES).items():
         repo.write(path, text)
