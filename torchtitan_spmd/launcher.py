@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .distributed import sharding_memo
+
 __all__ = ["WarmWorld", "WorkerError", "close_warm_worlds", "run_forked", "run_isolated", "warm_cpu_seconds",
            "warm_world_pids",
            "warm_worlds"]
@@ -117,9 +119,12 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         _all_connected()
+        memo = sharding_memo.install()
         ready = time.monotonic()
         try:
             result: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+            if memo:  # what this rank's sharding propagation computed, for the launches after it
+                sharding_memo.write_new(os.path.join(workdir, f"rank{rank}.memo"))
         finally:
             if rank == 0 and os.environ.get(PROFILE_ENV):
                 with open(os.path.join(workdir, "rank0.work"), "w", encoding="utf-8") as f:
@@ -207,6 +212,7 @@ def run_forked(
                     p.kill()
                     p.join()
         _record_launch(fn, world_size, time.monotonic() - launched, _read_work_s(workdir), args)
+        sharding_memo.read(os.path.join(workdir, f"rank{rank}.memo") for rank in range(world_size))
         if hung and first_failure is None:  # nobody failed: they are late
             raise _timeout_error(hung, world_size, timeout_s)
         outcomes: list[tuple[str, Any]] = []
