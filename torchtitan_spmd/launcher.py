@@ -182,6 +182,7 @@ def run_forked(
             task = None
         if task is not None:
             return _warm_world(world_size).run(fn, task, args, timeout_s)
+    sharding_memo.load_shared()  # what sibling processes' launches computed
     with tempfile.TemporaryDirectory(prefix="tts-mp-") as workdir:
         launched = time.monotonic()
         ctx = mp.start_processes(

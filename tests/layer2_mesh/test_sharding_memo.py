@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,7 +121,10 @@ def _compare(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def empty_memo() -> Any:
+def empty_memo(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process's table empty, and no folder shared with sibling processes (the suite's)."""
+    monkeypatch.delenv(sharding_memo.DIR_ENV, raising=False)
+    monkeypatch.setattr(sharding_memo, "_SEEN", set())
     saved = dict(sharding_memo._ENTRIES)
     sharding_memo._ENTRIES.clear()
     yield
@@ -137,6 +143,29 @@ def test_a_later_launch_gets_torchs_own_results_from_the_memo(empty_memo: None) 
         # every call of the first mesh's program was remembered; the second mesh's too
         assert misses == 0 and hits == got["calls"] > 10, (rank, got["stats"], got["calls"])
         assert got["values"] == [first[rank][0]] * 2, (rank, got["values"], first[rank][0])
+
+
+def test_a_sibling_process_shares_its_results_through_the_folder(
+        empty_memo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another interpreter (its own string hashes: a cached hash must not be in the bytes) runs
+    the program and publishes into the folder; this process's next launch is answered from it,
+    with torch's own results."""
+    folder = tmp_path / "memo"
+    code = ("from test_sharding_memo import _record\n"
+            "from torchtitan_spmd import launcher\n"
+            "launcher.run_forked(_record, 4, timeout_s=120)\n")
+    env = {**os.environ, sharding_memo.DIR_ENV: str(folder), "PYTHONHASHSEED": "random"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(folder.glob("*.memo")), "the sibling published nothing"
+    assert not sharding_memo._ENTRIES
+    monkeypatch.setenv(sharding_memo.DIR_ENV, str(folder))
+    second = launcher.run_forked(_compare, 4, timeout_s=120)
+    for rank, got in enumerate(second):
+        assert got["mismatches"] == [], f"rank {rank}:\n" + "\n".join(got["mismatches"])
+        hits, misses = got["stats"]
+        assert misses == 0 and hits == got["calls"] > 10, (rank, got["stats"], got["calls"])
 
 
 def _off(rank: int, world: int) -> list[int]:

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.skipif(sharding_memo.unsupported_reason() is not None,
 
 
 @pytest.fixture
-def empty_memo() -> Any:
+def empty_memo(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process's table empty, and no folder shared with sibling processes (the suite's)."""
+    monkeypatch.delenv(sharding_memo.DIR_ENV, raising=False)
     saved = dict(sharding_memo._ENTRIES)
     sharding_memo._ENTRIES.clear()
     yield

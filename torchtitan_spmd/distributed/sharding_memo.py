@@ -51,8 +51,8 @@ import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ENV", "MAX_ENTRIES", "install", "installed", "merge", "read", "take_new", "uninstall",
-           "unsupported_reason", "write_new"]
+__all__ = ["DIR_ENV", "ENV", "MAX_ENTRIES", "install", "installed", "load_shared", "merge", "publish", "read",
+           "take_new", "uninstall", "unsupported_reason", "write_new"]
 
 #: ``0`` leaves torch's sharding propagation as it is.
 ENV = "TORCHTITAN_SPMD_SHARDING_MEMO"
@@ -119,12 +119,26 @@ def _strategy_name(prop: Any, op: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _spec_reducer(obj: Any) -> Any:
+    """A ``DTensorSpec`` by its fields, without the hash it caches: string hashes differ between
+    processes, so a cached hash would make the bytes of equal specs differ."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec  # noqa: PLC0415
+
+    if type(obj) is DTensorSpec:
+        return DTensorSpec, (obj.mesh, obj.placements, obj.tensor_meta, obj.shard_order,
+                             obj.use_strided_shard_as_shard_order)
+    return NotImplemented
+
+
 class _KeyPickler(pickle.Pickler):
     """Pickles a call's arguments; meshes become (layout, this rank's coordinate)."""
 
     def __init__(self, buf: io.BytesIO, mesh_cls: type, op_cls: type) -> None:
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self._mesh_cls, self._op_cls = mesh_cls, op_cls
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _spec_reducer(obj)
 
     def persistent_id(self, obj: Any) -> Any:
         import torch  # noqa: PLC0415
@@ -144,6 +158,9 @@ class _ValuePickler(pickle.Pickler):
     def __init__(self, buf: io.BytesIO, call: Any, mesh_cls: type, op_cls: type) -> None:
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self._call, self._mesh_cls, self._op_cls = call, mesh_cls, op_cls
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _spec_reducer(obj)
 
     def persistent_id(self, obj: Any) -> Any:
         import torch  # noqa: PLC0415
@@ -276,36 +293,87 @@ def take_new() -> dict[bytes, bytes]:
     return new
 
 
-def merge(entries: dict[bytes, bytes]) -> None:
-    """Add results (another process's :func:`take_new`) to this process's table, up to the cap."""
+def merge(entries: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """Add results (another process's :func:`take_new`) to this process's table, up to the cap;
+    returns those that were new here."""
     room = MAX_ENTRIES - len(_ENTRIES)
+    added: dict[bytes, bytes] = {}
     for key, blob in entries.items():
         if room <= 0:
             break
         if key not in _ENTRIES:
-            _ENTRIES[key] = blob
+            _ENTRIES[key] = added[key] = blob
             room -= 1
+    return added
 
 
 def write_new(path: str) -> None:
     """Write :func:`take_new` to ``path`` (nothing when there is nothing new)."""
     new = take_new()
     if new:
-        partial = path + ".partial"
-        with open(partial, "wb") as f:
-            pickle.dump(new, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(partial, path)
+        _write(path, new)
+
+
+def _write(path: str, entries: dict[bytes, bytes]) -> None:
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        pickle.dump(entries, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(partial, path)  # whole or not at all: a reader never sees a partial file
+
+
+def _load(path: str) -> dict[bytes, bytes]:
+    try:
+        with open(path, "rb") as f:
+            entries = pickle.load(f)
+    except Exception:  # noqa: BLE001 - a file this module did not write whole: skipped
+        return {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def read(paths: Iterable[str]) -> None:
-    """:func:`merge` what :func:`write_new` wrote at each existing path; a damaged file is skipped."""
+    """:func:`merge` what the ranks' :func:`write_new` wrote at each existing path (a damaged
+    file is skipped), and :func:`publish` what was new to this process."""
+    added: dict[bytes, bytes] = {}
     for path in paths:
-        if not os.path.exists(path):
-            continue
-        try:
-            with open(path, "rb") as f:
-                entries = pickle.load(f)
-        except Exception:  # noqa: BLE001 - a rank killed mid-write leaves no file (rename), but be safe
-            continue
-        if isinstance(entries, dict):
-            merge(entries)
+        if os.path.exists(path):
+            added.update(merge(_load(path)))
+    publish(added)
+
+
+#: The results of sibling processes (pytest-xdist workers, the stack check's prefixes) are
+#: shared through this folder when it is set: each writes its ranks' new results there, and
+#: reads the others' before each launch. It must be empty at the start of a run: results are
+#: valid only for the code and torch that computed them (``nox`` makes a fresh one per session).
+DIR_ENV = "TORCHTITAN_SPMD_SHARDING_MEMO_DIR"
+
+_SEEN: set[str] = set()
+_PUBLISHED = [0]
+
+
+def publish(entries: dict[bytes, bytes]) -> None:
+    """Write ``entries`` into the shared folder (``TORCHTITAN_SPMD_SHARDING_MEMO_DIR``), if set."""
+    folder = os.environ.get(DIR_ENV)
+    if not folder or not entries or os.environ.get(ENV, "1") == "0":
+        return
+    _PUBLISHED[0] += 1
+    name = f"{os.getpid()}-{_PUBLISHED[0]}.memo"
+    _SEEN.add(name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _write(os.path.join(folder, name), entries)
+    except OSError:  # a full or read-only disk: the siblings compute these themselves
+        pass
+
+
+def load_shared() -> None:
+    """Merge the results sibling processes published since the last call (see :data:`DIR_ENV`)."""
+    folder = os.environ.get(DIR_ENV)
+    if not folder or os.environ.get(ENV, "1") == "0":
+        return
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".memo") and n not in _SEEN)
+    except OSError:  # not created yet
+        return
+    for name in names:
+        _SEEN.add(name)
+        merge(_load(os.path.join(folder, name)))
