@@ -26,11 +26,15 @@ Every pytest session fails when it collects no test (pytest's exit code 5).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -93,6 +97,23 @@ def _shared_cpu_python(session: nox.Session) -> str:
 BYTECODE_ENV = {"PYTHONDONTWRITEBYTECODE": ""}
 
 
+#: The folder through which the test processes of one session (the pytest-xdist workers, the
+#: stack check's prefixes) share DTensor's sharding propagations
+#: (``torchtitan_spmd/distributed/sharding_memo.py``): made empty for each session and removed
+#: after it, since a result is valid only for the code and torch that computed it.
+SHARDING_MEMO_DIR_ENV = "TORCHTITAN_SPMD_SHARDING_MEMO_DIR"
+
+
+@contextlib.contextmanager
+def _fresh_sharding_memo() -> Iterator[dict[str, str]]:
+    """The environment naming a new, empty sharding-memo folder; the folder goes afterwards."""
+    folder = tempfile.mkdtemp(prefix="tts-sharding-memo-")
+    try:
+        yield {SHARDING_MEMO_DIR_ENV: folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 #: pytest-xdist workers for ``cpu_tests``: one per core by default (CI's machine has 2);
 #: ``TORCHTITAN_SPMD_TEST_WORKERS=1`` runs every test in one process (e.g. to debug).
 TEST_WORKERS_ENV = "TORCHTITAN_SPMD_TEST_WORKERS"
@@ -130,12 +151,13 @@ def cpu_tests(session: nox.Session) -> None:
     """
     python = _shared_cpu_python(session)
     xdist = _xdist_args()
-    session.run(
-        python, "-m", "pytest", "tests", *xdist, *session.posargs,
-        external=True,  # exit 5 (no test collected) fails the session
-        env={**BYTECODE_ENV, **_spmd_types_env(session, python),
-             **({"OMP_NUM_THREADS": "1"} if xdist else {})},
-    )
+    with _fresh_sharding_memo() as memo_env:
+        session.run(
+            python, "-m", "pytest", "tests", *xdist, *session.posargs,
+            external=True,  # exit 5 (no test collected) fails the session
+            env={**BYTECODE_ENV, **memo_env, **_spmd_types_env(session, python),
+                 **({"OMP_NUM_THREADS": "1"} if xdist else {})},
+        )
 
 
 #: ``TORCHTITAN_SPMD_SPMD_TYPES=spmd-types==0.2.3`` runs the CPU sessions on that spmd_types
@@ -200,7 +222,9 @@ def lint(session: nox.Session) -> None:
 def stack(session: nox.Session) -> None:
     """Check the stacked series: layer ownership, upward imports, each prefix green."""
     python = _shared_cpu_python(session)
-    session.run(python, "-m", "stack", "check", *session.posargs, external=True, env=BYTECODE_ENV)
+    with _fresh_sharding_memo() as memo_env:
+        session.run(python, "-m", "stack", "check", *session.posargs, external=True,
+                    env={**BYTECODE_ENV, **memo_env})
 
 
 @nox.session(venv_backend="none")

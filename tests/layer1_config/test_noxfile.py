@@ -118,6 +118,26 @@ def test_cpu_tests_cache_bytecode_where_the_environment_says_not_to(
     assert list((root / "tests" / "__pycache__").glob("test_it.*.pyc")), out
 
 
+def test_cpu_tests_share_a_fresh_sharding_memo_folder_each_run(tmp_path: Path) -> None:
+    """The session's test processes get one empty folder for DTensor's sharding propagations
+    (``torchtitan_spmd/distributed/sharding_memo.py``), never a folder an earlier run filled
+    (its results may come from other code), and it is gone after the session."""
+    seen = tmp_path / "seen.txt"
+    body = ("import os\nfrom pathlib import Path\n\n\n"
+            "def test_fresh():\n"
+            "    folder = Path(os.environ['TORCHTITAN_SPMD_SHARDING_MEMO_DIR'])\n"
+            "    assert folder.is_dir() and not any(folder.iterdir()), list(folder.iterdir())\n"
+            "    (folder / '1-1.memo').write_bytes(b'from this run')\n"
+            f"    with open({str(seen)!r}, 'a') as f:\n"
+            "        f.write(str(folder) + '\\n')\n")
+    root = _scratch_project(tmp_path, body)
+    for _ in range(2):
+        proc = _nox(root, "cpu_tests", "--backend=common")
+        assert proc.returncode == 0 and "1 passed" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    folders = seen.read_text().split()
+    assert len(folders) == 2 and not any(Path(f).exists() for f in folders), folders
+
+
 def test_another_torch_gets_its_own_venv() -> None:
     pinned = _noxfile_values(ROOT, "")
     assert pinned["spec"] == "torch==2.14.1"
