@@ -26,6 +26,7 @@ Every pytest session fails when it collects no test (pytest's exit code 5).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import os
@@ -68,6 +69,97 @@ def _install_stamp(extra: str) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+#: ``pip`` installs the shared CPU venv with pip itself; ``uv`` (the default) with uv, which pip
+#: installs into the venv first. uv takes the packages pip would (see :func:`uv_settings`) in
+#: 45 s of wall time against pip's 104 on the project's 2-core machines, most of it the 5.5 GB
+#: of the CUDA build of torch 2.14.1 (docs/benchmarks.md, "Round seven").
+INSTALLER_ENV = "TORCHTITAN_SPMD_INSTALLER"
+INSTALLERS = ("uv", "pip")
+UV_SPEC = "uv>=0.5,<1"
+
+#: pip settings that change nothing about what is installed, so uv has no need of them.
+_PIP_SETTINGS_WITHOUT_EFFECT = frozenset({
+    "disable-pip-version-check", "no-color", "progress-bar", "quiet", "verbose", "no-input",
+    "root-user-action", "no-python-version-warning", "cache-dir", "no-cache-dir", "log",
+    "config-file",
+})
+
+
+def uv_settings(pip_config_listing: str) -> tuple[list[str], dict[str, str]] | str:
+    """Translate pip's configuration (``pip config list``) into ``uv pip install`` arguments.
+
+    Returns ``(args, env)``, or a one-line reason naming the first setting uv cannot be told
+    (the caller then installs with pip). pip's listing has already merged its files; as pip
+    does, a setting of the ``[install]`` section overrides the same one of ``[global]``, and an
+    environment variable (``:env:``, e.g. ``PIP_FIND_LINKS``) overrides both; other commands'
+    sections do not apply. ``--index-strategy unsafe-best-match`` makes uv choose as pip does,
+    the best version across every index (uv's default stops at the first index that has the
+    package: older releases from a local mirror). Settings with no effect on what is installed
+    (:data:`_PIP_SETTINGS_WITHOUT_EFFECT`) are dropped.
+    """
+    precedence = {"global": 0, "install": 1, ":env:": 2}
+    chosen: dict[str, tuple[int, str]] = {}
+    for raw in pip_config_listing.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(?P<section>:env:|[A-Za-z0-9_-]+)\.(?P<key>[A-Za-z0-9_-]+)=(?P<value>.*)", line)
+        try:
+            value = ast.literal_eval(match["value"]) if match else None
+        except (SyntaxError, ValueError):
+            value = None
+        if match is None or not isinstance(value, str):
+            return f"pip config list printed {line!r}, which this noxfile cannot read"
+        order = precedence.get(match["section"])
+        if order is not None and order >= chosen.get(match["key"], (-1, ""))[0]:
+            chosen[match["key"]] = (order, value)
+    args = ["--index-strategy", "unsafe-best-match"]
+    env: dict[str, str] = {}
+    for key, (_, value) in sorted(chosen.items()):
+        if key in _PIP_SETTINGS_WITHOUT_EFFECT:
+            continue
+        if key == "index-url":
+            args += ["--index-url", value]
+        elif key in ("extra-index-url", "find-links", "constraint", "trusted-host"):
+            flag = {"trusted-host": "--allow-insecure-host"}.get(key, f"--{key}")
+            for item in value.split():
+                args += [flag, item]
+        elif key == "no-index":
+            if value.strip().lower() in ("1", "true", "yes", "on"):
+                args.append("--no-index")
+        elif key == "cert":
+            env["SSL_CERT_FILE"] = value
+        elif key in ("timeout", "default-timeout"):
+            env["UV_HTTP_TIMEOUT"] = value
+        else:
+            return f"pip's setting {key!r} has no uv equivalent here"
+    return args, env
+
+
+def _installer() -> str:
+    name = os.environ.get(INSTALLER_ENV, "").strip() or "uv"
+    if name not in INSTALLERS:
+        raise SystemExit(f"{INSTALLER_ENV}={name!r}: expected one of {', '.join(INSTALLERS)}")
+    return name
+
+
+def install(session: nox.Session, python: str, requirements: list[str]) -> None:
+    """Install ``requirements`` into the venv of ``python`` with the chosen installer."""
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    if _installer() == "uv":
+        listing = session.run(python, "-m", "pip", "config", "list", silent=True, external=True)
+        settings = uv_settings(str(listing or ""))
+        if isinstance(settings, str):
+            session.log(f"{settings}: installing with pip ({INSTALLER_ENV}=pip to choose it)")
+        else:
+            args, env = settings
+            session.run(*pip, UV_SPEC, external=True)
+            session.run(python, "-m", "uv", "pip", "install", "-q", "--python", python,
+                        "--compile-bytecode", *args, *requirements, external=True, env=env)
+            return
+    session.run(*pip, *requirements, external=True)
+
+
 def _shared_cpu_python(session: nox.Session) -> str:
     """Create (once) and return the shared CPU venv's interpreter."""
     python = _venv_python(SHARED_VENV)
@@ -76,11 +168,7 @@ def _shared_cpu_python(session: nox.Session) -> str:
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(SHARED_VENV), external=True)
     if not stamp.exists() or stamp.read_text() != want:
-        session.run(
-            str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-            TORCH_SPEC, "-e", f"{ROOT}[dev]", "numpy",
-            external=True,
-        )
+        install(session, str(python), [TORCH_SPEC, "-e", f"{ROOT}[dev]", "numpy"])
         session.run(str(python), "-c", "import torch; print('torch', torch.__version__)",
                     external=True)
         stamp.write_text(want)

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,89 @@ def test_another_torch_gets_its_own_venv() -> None:
     assert other["venv"] == str(ROOT / ".nox" / "_shared-cpu-torch-2.11.0")
     assert other["range"] == str(ROOT / ".nox" / "_shared-cpu-torch-2.13-2.14")
     assert other["stamp"] != pinned["stamp"]
+
+
+@pytest.fixture(scope="module")
+def noxfile_module() -> dict[str, Any]:
+    import runpy
+
+    return runpy.run_path(str(ROOT / "noxfile.py"))
+
+
+def test_uv_is_told_the_settings_pip_would_use(noxfile_module: dict[str, Any]) -> None:
+    uv_settings = noxfile_module["uv_settings"]
+    listing = "\n".join([
+        ":env:.cert='/c.pem'", ":env:.find-links='/w'", ":env:.disable-pip-version-check='1'",
+        ":env:.default-timeout='180'", ":env:.config-file='/p.conf'",
+        "download.dest='/x'", "global.find-links='/old'", "global.constraint='/k.txt'",
+        "global.extra-index-url='file:///a/simple file:///b/simple'", "install.no-index='false'",
+        "global.index-url='https://g/simple'", "install.index-url='https://i/simple'",
+    ])
+    args, env = uv_settings(listing)
+    assert args == ["--index-strategy", "unsafe-best-match", "--constraint", "/k.txt",
+                    "--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
+                    "--find-links", "/w", "--index-url", "https://i/simple"]
+    assert env == {"SSL_CERT_FILE": "/c.pem", "UV_HTTP_TIMEOUT": "180"}
+    # the environment overrides [install], which overrides [global]
+    args, _ = uv_settings("global.index-url='https://g'\n:env:.index-url='https://e'\n"
+                          "install.index-url='https://i'\ninstall.no-index='1'")
+    assert args[-3:] == ["--index-url", "https://e", "--no-index"]
+
+
+@pytest.mark.parametrize(("line", "named"), [
+    ("global.pre='true'", "'pre'"),                 # changes what is chosen: not dropped
+    ("install.require-hashes='1'", "'require-hashes'"),
+    ("global.find-links /w", "global.find-links /w"),  # not pip's format
+])
+def test_a_pip_setting_uv_cannot_be_told_is_named(noxfile_module: dict[str, Any], line: str,
+                                                   named: str) -> None:
+    reason = noxfile_module["uv_settings"](f"global.cert='/c.pem'\n{line}")
+    assert isinstance(reason, str) and named in reason, reason
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    """A pure-Python wheel ``tts_probe`` 1.0, written by hand (no build backend needed)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {"tts_probe/__init__.py": b"VALUE = 7\n",
+             "tts_probe-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tts-probe\nVersion: 1.0\n",
+             "tts_probe-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                              b"Tag: py3-none-any\n"}
+    record = "".join(
+        f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+        f"{len(data)}\n" for name, data in files.items())
+    files["tts_probe-1.0.dist-info/RECORD"] = (record + "tts_probe-1.0.dist-info/RECORD,,\n").encode()
+    folder.mkdir(parents=True)
+    wheel = folder / "tts_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return wheel
+
+
+def test_uv_installs_from_where_pip_is_configured_to_look(noxfile_module: dict[str, Any],
+                                                          tmp_path: Path) -> None:
+    """pip's own listing, translated, lets uv find a package only pip's settings point at."""
+    _tiny_wheel(tmp_path / "wheels")
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nno-index = true\nfind-links = {tmp_path / 'wheels'}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    env["PIP_CONFIG_FILE"] = str(conf)
+    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+    settings = noxfile_module["uv_settings"](listing)
+    assert not isinstance(settings, str), settings
+    args, uv_env = settings
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True,
+                   timeout=60)
+    python = tmp_path / "venv" / "bin" / "python"
+    env["UV_CACHE_DIR"] = str(tmp_path / "uv-cache")
+    proc = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "-q", "--python", str(python),
+                           "--compile-bytecode", *args, "tts-probe"], env={**env, **uv_env},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = subprocess.run([str(python), "-c", "import tts_probe; print(tts_probe.VALUE)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "7", out.stderr
