@@ -1,8 +1,8 @@
 """Layer 2: ``ParallelDims.build_mesh`` reuses the previous build's meshes, and DTensor's sharding
 caches are kept only while they can refer to nothing else (``distributed/mesh_reuse.py``).
 
-Real gloo ranks, each case forked from a clean process (a fork server's child: this worker's
-earlier tests, and a warm world's earlier launches, would change what the process holds): whether a DTensor op's sharding decision misses the cache is the observable.
+Real gloo ranks, each case forked from one clean interpreter (this worker's earlier tests, and a
+warm world's earlier launches, would change what the process holds): whether a DTensor op's sharding decision misses the cache is the observable.
 fully_shard over a second trainer's mesh is layer 3's (tests/layer3_runtime/test_mesh_reuse_fsdp.py). The unsafe cases
 are run for real: an op on a second, equal mesh over a destroyed and re-created process group
 (which fails if an entry of the first comes back), and fully_shard over a second trainer's
@@ -38,28 +38,58 @@ def _op_on(pd: ParallelDims) -> tuple[float, int]:
     return total, torch._C._get_DTensor_sharding_propagator_cache_stats()[1] - misses
 
 
-def _in_a_clean_process(fn: Any, *args: Any, timeout_s: float) -> list[Any]:
-    """``fn`` on 4 ranks forked from a new interpreter: a process holding no mesh, DTensor cache
-    entry or registered group of earlier tests (this worker's, which every fork of it would
-    inherit, and which the caches' rule rightly counts as other meshes alive)."""
+#: The cases, each run on 4 ranks forked from one clean interpreter (:func:`clean_runs`).
+CASES = ("_same_layout_keeps", "_other_layout_clears", "_foreign_mesh_clears", "_new_process_group")
+
+_CHILD = """
+import pickle, sys, traceback
+sys.path.insert(0, {folder!r})
+import {module} as t
+from torchtitan_spmd.launcher import run_forked
+out = {{}}
+for name in {cases!r}:
+    args = ({store_dir!r},) if name == "_new_process_group" else ()
+    try:
+        out[name] = ("ok", run_forked(getattr(t, name), 4, *args, timeout_s={timeout_s}))
+    except BaseException:
+        out[name] = ("raised", traceback.format_exc())
+pickle.dump(out, open({out!r}, "wb"))
+"""
+
+
+@pytest.fixture(scope="module")
+def clean_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    """Every case's per-rank results, from 4 ranks forked from a new interpreter: a process holding
+    no mesh, DTensor cache entry or registered group of earlier tests (this worker's, which every
+    fork of it would inherit, and which the caches' rule rightly counts as other meshes alive).
+
+    One interpreter for the four cases: each forks its ranks afresh from it, and its parent builds
+    no mesh and runs no DTensor op, so a case starts as clean as in an interpreter of its own (the
+    import of torch, about 4.5 CPU s, is paid once). A case that raises fails its own test with
+    the ranks' tracebacks; the others still run.
+    """
     import pickle
     import subprocess
     import sys
-    import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="mesh-reuse-") as tmp:
-        out = Path(tmp) / "out.pkl"
-        module = sys.modules[fn.__module__]
-        code = (f"import pickle, sys; sys.path.insert(0, {str(Path(module.__file__).parent)!r})\n"
-                f"import {fn.__module__.rsplit('.', 1)[-1]} as t\n"
-                "from torchtitan_spmd.launcher import run_forked\n"
-                f"res = run_forked(getattr(t, {fn.__name__!r}), 4, *{args!r}, timeout_s={timeout_s})\n"
-                f"pickle.dump(res, open({str(out)!r}, 'wb'))\n")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout_s + 60, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        with open(out, "rb") as f:
-            return pickle.load(f)
+    tmp = tmp_path_factory.mktemp("mesh-reuse")
+    (tmp / "store").mkdir()
+    out = tmp / "out.pkl"
+    timeout_s = 120
+    code = _CHILD.format(folder=str(Path(__file__).parent), module=Path(__file__).stem, cases=CASES,
+                         store_dir=str(tmp / "store"), timeout_s=timeout_s, out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=len(CASES) * timeout_s + 60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def _results(clean_runs: dict[str, tuple[str, Any]], case: str) -> list[Any]:
+    status, value = clean_runs[case]
+    if status != "ok":
+        pytest.fail(f"{case} failed in the clean interpreter:\n{value}", pytrace=False)
+    return value
 
 
 def _pd(tp: int = 2, dp_shard: int = 2, backend: str = "full_dtensor") -> ParallelDims:
@@ -76,8 +106,8 @@ def _same_layout_keeps(rank: int, world: int) -> dict[str, object]:
             "cold": cold, "warm": _op_on(second)}
 
 
-def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches() -> None:
-    for out in _in_a_clean_process(_same_layout_keeps, timeout_s=120):
+def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches(clean_runs: dict) -> None:
+    for out in _results(clean_runs, "_same_layout_keeps"):
         assert out["same_objects"], out
         (total, cold_misses), (again, warm_misses) = out["cold"], out["warm"]
         assert total == again == 28.0 * 3, out  # (0+...+7) x 3 columns of ones
@@ -96,8 +126,8 @@ def _other_layout_clears(rank: int, world: int) -> dict[str, object]:
     return {"on_switch": on_switch, "new_objects": back.world_mesh is not first.world_mesh, "on_return": _op_on(back)}
 
 
-def test_another_layout_builds_new_meshes_and_clears_the_caches() -> None:
-    for out in _in_a_clean_process(_other_layout_clears, timeout_s=120):
+def test_another_layout_builds_new_meshes_and_clears_the_caches(clean_runs: dict) -> None:
+    for out in _results(clean_runs, "_other_layout_clears"):
         assert out["new_objects"], out
         assert out["on_switch"][0] == out["on_return"][0] == 84.0, out
         assert out["on_switch"][1] > 0 and out["on_return"][1] > 0, out  # missed: cleared
@@ -118,10 +148,10 @@ def _foreign_mesh_clears(rank: int, world: int) -> dict[str, object]:
     return {"reused": again.world_mesh is first.world_mesh, "after": _op_on(again)}
 
 
-def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse() -> None:
+def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse(clean_runs: dict) -> None:
     """A mesh of the caller's own (equal to a view of the kept ones) may be in the caches: the
     reuse hands out the kept meshes but clears them."""
-    for out in _in_a_clean_process(_foreign_mesh_clears, timeout_s=120):
+    for out in _results(clean_runs, "_foreign_mesh_clears"):
         assert out["reused"] and out["after"] == (84.0, out["after"][1]) and out["after"][1] > 0, out
 
 
@@ -137,8 +167,8 @@ def _new_process_group(rank: int, world: int, store_dir: str) -> dict[str, objec
     return {"new_objects": second.world_mesh is not first.world_mesh, "total": total, "again": _op_on(second)[0]}
 
 
-def test_a_new_default_process_group_gets_new_meshes_and_working_ops(tmp_path: Path) -> None:
+def test_a_new_default_process_group_gets_new_meshes_and_working_ops(clean_runs: dict) -> None:
     """The unsafe case run for real: an entry of the first meshes coming back would route the
     second op through a destroyed group."""
-    for out in _in_a_clean_process(_new_process_group, str(tmp_path), timeout_s=120):
+    for out in _results(clean_runs, "_new_process_group"):
         assert out["new_objects"] and out["total"] == out["again"] == 84.0, out
