@@ -38,17 +38,13 @@ def _op_on(pd: ParallelDims) -> tuple[float, int]:
     return total, torch._C._get_DTensor_sharding_propagator_cache_stats()[1] - misses
 
 
-#: The cases, each run on 4 ranks forked from one clean interpreter (:func:`clean_runs`).
-CASES = ("_same_layout_keeps", "_other_layout_clears", "_foreign_mesh_clears", "_new_process_group")
-
 _CHILD = """
 import pickle, sys, traceback
 sys.path.insert(0, {folder!r})
 import {module} as t
 from torchtitan_spmd.launcher import run_forked
 out = {{}}
-for name in {cases!r}:
-    args = ({store_dir!r},) if name == "_new_process_group" else ()
+for name, args in {cases!r}.items():
     try:
         out[name] = ("ok", run_forked(getattr(t, name), 4, *args, timeout_s={timeout_s}))
     except BaseException:
@@ -57,39 +53,49 @@ pickle.dump(out, open({out!r}, "wb"))
 """
 
 
-@pytest.fixture(scope="module")
-def clean_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
-    """Every case's per-rank results, from 4 ranks forked from a new interpreter: a process holding
-    no mesh, DTensor cache entry or registered group of earlier tests (this worker's, which every
-    fork of it would inherit, and which the caches' rule rightly counts as other meshes alive).
+def in_a_clean_interpreter(module_file: str, cases: dict[str, tuple[Any, ...]], *,
+                           timeout_s: float) -> dict[str, tuple[str, Any]]:
+    """Each case (a function of ``module_file`` and its arguments) on 4 ranks forked from one new
+    interpreter: a process holding no mesh, DTensor cache entry or registered group of earlier
+    tests (this worker's, which every fork of it would inherit, and which the caches' rule
+    rightly counts as other meshes alive).
 
-    One interpreter for the four cases: each forks its ranks afresh from it, and its parent builds
-    no mesh and runs no DTensor op, so a case starts as clean as in an interpreter of its own (the
-    import of torch, about 4.5 CPU s, is paid once). A case that raises fails its own test with
-    the ranks' tracebacks; the others still run.
+    Each case forks its ranks afresh from that interpreter, which builds no mesh and runs no
+    DTensor op itself, so a case starts as clean as in an interpreter of its own (the import of
+    torch is paid once). Returns ``{case: ("ok", per-rank results) or ("raised", traceback)}``: a
+    case that raises does not stop the others.
     """
     import pickle
     import subprocess
     import sys
+    import tempfile
 
-    tmp = tmp_path_factory.mktemp("mesh-reuse")
-    (tmp / "store").mkdir()
-    out = tmp / "out.pkl"
-    timeout_s = 120
-    code = _CHILD.format(folder=str(Path(__file__).parent), module=Path(__file__).stem, cases=CASES,
-                         store_dir=str(tmp / "store"), timeout_s=timeout_s, out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=len(CASES) * timeout_s + 60, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    with tempfile.TemporaryDirectory(prefix="mesh-reuse-") as tmp:
+        out = Path(tmp) / "out.pkl"
+        code = _CHILD.format(folder=str(Path(module_file).parent), module=Path(module_file).stem,
+                             cases=cases, timeout_s=timeout_s, out=str(out))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=len(cases) * timeout_s + 60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out, "rb") as f:
+            return pickle.load(f)
 
 
-def _results(clean_runs: dict[str, tuple[str, Any]], case: str) -> list[Any]:
-    status, value = clean_runs[case]
+def results_of(runs: dict[str, tuple[str, Any]], case: str) -> list[Any]:
+    """A case's per-rank results; its test fails with the ranks' traceback if it raised."""
+    status, value = runs[case]
     if status != "ok":
         pytest.fail(f"{case} failed in the clean interpreter:\n{value}", pytrace=False)
     return value
+
+
+@pytest.fixture(scope="module")
+def clean_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    """This module's four cases, from one clean interpreter (:func:`in_a_clean_interpreter`)."""
+    store = tmp_path_factory.mktemp("mesh-reuse-store")
+    cases = {"_same_layout_keeps": (), "_other_layout_clears": (), "_foreign_mesh_clears": (),
+             "_new_process_group": (str(store),)}
+    return in_a_clean_interpreter(__file__, cases, timeout_s=120)
 
 
 def _pd(tp: int = 2, dp_shard: int = 2, backend: str = "full_dtensor") -> ParallelDims:
@@ -107,7 +113,7 @@ def _same_layout_keeps(rank: int, world: int) -> dict[str, object]:
 
 
 def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches(clean_runs: dict) -> None:
-    for out in _results(clean_runs, "_same_layout_keeps"):
+    for out in results_of(clean_runs, "_same_layout_keeps"):
         assert out["same_objects"], out
         (total, cold_misses), (again, warm_misses) = out["cold"], out["warm"]
         assert total == again == 28.0 * 3, out  # (0+...+7) x 3 columns of ones
@@ -127,7 +133,7 @@ def _other_layout_clears(rank: int, world: int) -> dict[str, object]:
 
 
 def test_another_layout_builds_new_meshes_and_clears_the_caches(clean_runs: dict) -> None:
-    for out in _results(clean_runs, "_other_layout_clears"):
+    for out in results_of(clean_runs, "_other_layout_clears"):
         assert out["new_objects"], out
         assert out["on_switch"][0] == out["on_return"][0] == 84.0, out
         assert out["on_switch"][1] > 0 and out["on_return"][1] > 0, out  # missed: cleared
@@ -151,7 +157,7 @@ def _foreign_mesh_clears(rank: int, world: int) -> dict[str, object]:
 def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse(clean_runs: dict) -> None:
     """A mesh of the caller's own (equal to a view of the kept ones) may be in the caches: the
     reuse hands out the kept meshes but clears them."""
-    for out in _results(clean_runs, "_foreign_mesh_clears"):
+    for out in results_of(clean_runs, "_foreign_mesh_clears"):
         assert out["reused"] and out["after"] == (84.0, out["after"][1]) and out["after"][1] > 0, out
 
 
@@ -170,5 +176,5 @@ def _new_process_group(rank: int, world: int, store_dir: str) -> dict[str, objec
 def test_a_new_default_process_group_gets_new_meshes_and_working_ops(clean_runs: dict) -> None:
     """The unsafe case run for real: an entry of the first meshes coming back would route the
     second op through a destroyed group."""
-    for out in _results(clean_runs, "_new_process_group"):
+    for out in results_of(clean_runs, "_new_process_group"):
         assert out["new_objects"] and out["total"] == out["again"] == 84.0, out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "layer2_mesh"))
-from test_mesh_reuse import _in_a_clean_process, _pd  # noqa: E402 - the layer-2 cases' helpers
+from test_mesh_reuse import _pd, in_a_clean_interpreter, results_of  # noqa: E402 - the layer-2 cases' helpers
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,5 +44,6 @@ def _two_trainers_fully_shard(rank: int, world: int) -> list[float]:
 def test_fully_shard_gets_each_trainers_own_mesh_objects() -> None:
     """"different mesh objects" is what an equal mesh of an earlier layout coming back from the
     caches makes fully_shard raise (the reason the caches were cleared for every trainer)."""
-    for out in _in_a_clean_process(_two_trainers_fully_shard, timeout_s=180):
+    runs = in_a_clean_interpreter(__file__, {"_two_trainers_fully_shard": ()}, timeout_s=180)
+    for out in results_of(runs, "_two_trainers_fully_shard"):
         assert out == [8.0] * 4, out
