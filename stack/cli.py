@@ -233,7 +233,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 r = run_prefix(config, project.tree, own.owner, layer.index, project.root,
                                timeout=args.timeout,
                                carried=carried_tests(config, layer.index, reached))
-                reached.extend(r.reached)
+                reached = list(r.reached)  # what is still to carry: see carried_tests
                 results[layer.index] = r
                 _report_prefix(r, layer, "")
                 if not r.ok:
@@ -268,7 +268,7 @@ def _prefixes_in_parallel(project: Project, limit: int, jobs: int,
         second = run_prefix(config, project.tree, own.owner, layer.index, project.root, timeout=timeout,
                             carried=carried, own_tests=False) if carried else None
         results[layer.index] = merged(first[layer.index], second)
-        reached.extend(results[layer.index].reached)
+        reached = list(results[layer.index].reached)  # what is still to carry: see carried_tests
     return results
 
 
@@ -369,7 +369,7 @@ def cmd_verify_export(args: argparse.Namespace) -> int:
                 r = run_prefix(config, project.tree, project.own.owner, layer.index, repo,
                                timeout=args.timeout,
                                carried=carried_tests(config, layer.index, reached))
-                reached.extend(r.reached)
+                reached = list(r.reached)  # what is still to carry: see carried_tests
                 results[layer.index] = r
                 _report_prefix(r, layer, "in the replayed repo")
                 if not r.ok:

@@ -6,8 +6,10 @@ test file being collected, that asked for it). A lower-layer test that reached f
 blocked imported only modules of its own prefix, which a longer prefix holds unchanged, so it
 behaves the same there: running it again would repeat its own prefix's run. A test that did
 reach (it skipped, fell back, or failed without an upper layer) can behave differently once more
-layers are present, so it runs again in every later prefix until the end of the stack. An
-import refused outside any test (a conftest at start-up) carries every lower-layer test along.
+layers are present, so it runs again in the next prefix, and in each one after it for as long as
+its latest run still reached for a blocked module: once a run of it reaches for nothing blocked,
+the same argument holds for it as for a test that never reached, and it is not carried further.
+An import refused outside any test (a conftest at start-up) carries every lower-layer test along.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ def _within(test: str, arg: str) -> bool:
 
 def carried_tests(config: StackConfig, k: int, reached: list[str]) -> list[str]:
     """The lower-layer tests prefix k runs again: those of ``reached`` (node ids, test files or
-    :data:`ANYWHERE`, logged by earlier prefixes) that lie in layers 1..k-1's tests.
+    :data:`ANYWHERE`, logged by prefix k-1's runs, the tests it carried included) that lie in
+    layers 1..k-1's tests. Every test carried into k-1 ran there, so ``reached`` says which of
+    them still reached for a blocked module: the others are not carried again.
 
     A file logged at collection carries the tests of it that its layer declares (all of them
     when the layer names the file or a folder above it).

@@ -200,3 +200,25 @@ def test_bootstrap_refuses_a_package_outside_the_tree(tmp_path) -> None:
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 3
     assert "stack bootstrap: FATAL: package 'json' resolves to" in proc.stderr
+
+
+@pytest.mark.parametrize("jobs", ["1", "3"], ids=["one-after-the-other", "in-parallel"])
+def test_a_carried_test_that_reaches_nothing_blocked_is_not_carried_further(synthetic_repo: Repo,
+                                                                           jobs: str) -> None:
+    """A layer-1 test that reaches for layer 2's module: carried into prefix 1..2, where nothing it
+    imports is blocked any more, so 1..3 holds it unchanged and does not run it again."""
+    synthetic_repo.write("tests/l1/test_core.py", """\
+        import importlib
+
+        import pytest
+
+
+        def test_core():
+            pytest.importorskip("pkg." + "mid")
+            assert importlib.import_module("pkg.core").VALUE == 1
+        """)
+    synthetic_repo.commit()
+    r = synthetic_repo.run("check", "--jobs", jobs)
+    assert r.code == 0, r.text
+    assert ("prefix 1..2 (mid): ok, 2 passed / 2 collected (1 carried from lower layers)") in r.out
+    assert "prefix 1..3 (top): ok, 1 passed / 1 collected in" in r.out, r.out
