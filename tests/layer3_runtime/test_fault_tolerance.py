@@ -193,7 +193,8 @@ def no_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         lighthouse.shutdown()
     reference = run_forked(_train, 4, _config(None, ranks=2, steps=STEPS), None, 0.0, timeout_s=120)
-    return {"groups": results, "reference": reference, "root": root}
+    return {"groups": results, "reference": reference, "root": root,
+            "work_dirs": [g.work_dir for g in groups]}
 
 
 def test_two_groups_train_as_hsdp(no_failure: dict[str, Any]) -> None:
@@ -211,6 +212,14 @@ def test_two_groups_train_as_hsdp(no_failure: dict[str, Any]) -> None:
             assert max(abs(a - b) for a, b in zip(flat_m, flat_t, strict=True)) < 1e-6
     # and both groups hold the same weights
     assert no_failure["groups"][0][0]["params"] == no_failure["groups"][1][0]["params"]
+
+
+def test_a_groups_folder_is_removed_once_it_ended(no_failure: dict[str, Any],
+                                                 kill_and_heal: dict[str, Any]) -> None:
+    """Each group's temporary folder goes once its result was read or it was killed (the killed
+    group's too): a job of many groups leaves none behind."""
+    dirs = no_failure["work_dirs"] + kill_and_heal["work_dirs"]
+    assert len(dirs) == 5 and not [d for d in dirs if os.path.exists(d)], dirs
 
 
 def test_only_the_first_live_group_saves_checkpoints(no_failure: dict[str, Any]) -> None:
@@ -243,7 +252,8 @@ def kill_and_heal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _wait_for_step(progress, RESTART_AT)  # the survivor then waits for the returned group's manager
         returned = ForkedGroup(_train, 1, _config(1, ranks=1, steps=KILL_STEPS), None, 0.0, None, up,
                                lighthouse=lighthouse.address(), timeout_s=120)
-        out = {"survivor": survivor.result()[0], "returned": returned.result()[0]}
+        out = {"survivor": survivor.result()[0], "returned": returned.result()[0],
+               "work_dirs": [g.work_dir for g in (survivor, victim, returned)]}
     finally:
         lighthouse.shutdown()
     return out

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,12 +126,14 @@ class ForkedGroup:
 
     :meth:`kill` SIGKILLs the whole tree (every rank at once, as a lost machine);
     :meth:`stop` / :meth:`cont` SIGSTOP / SIGCONT it; :meth:`result` waits for the ranks' results.
+    The group's temporary folder (:attr:`work_dir`, where its result is written) is removed once
+    the group has ended and :meth:`result` or :meth:`kill` has seen it end.
     """
 
     def __init__(self, fn: Callable[..., Any], ranks: int, *args: Any, lighthouse: str,
                  timeout_s: float = 120.0) -> None:
-        self._dir = tempfile.mkdtemp(prefix="tts-ft-")
-        self._out = os.path.join(self._dir, "result.pkl")
+        self.work_dir = tempfile.mkdtemp(prefix="tts-ft-")
+        self._out = os.path.join(self.work_dir, "result.pkl")
         ctx = mp.get_context("fork")
         self.process = ctx.Process(target=_group_main, args=(fn, ranks, args, lighthouse, self._out, timeout_s))
         self.process.start()
@@ -148,6 +151,11 @@ class ForkedGroup:
         """SIGKILL every process of the group."""
         self._signal(signal.SIGKILL)
         self.process.join(10)
+        self._remove_work_dir()
+
+    def _remove_work_dir(self) -> None:
+        if not self.process.is_alive():
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def stop(self) -> None:
         """SIGSTOP every process of the group (a stall: no heartbeat, no answer)."""
@@ -163,10 +171,13 @@ class ForkedGroup:
         if self.process.is_alive():
             self.kill()
             raise TimeoutError("replica group did not finish in time and was killed")
-        if not os.path.exists(self._out):
-            raise RuntimeError(f"replica group exited with code {self.process.exitcode} without a result")
-        with open(self._out, "rb") as f:
-            status, value = pickle.load(f)
+        try:
+            if not os.path.exists(self._out):
+                raise RuntimeError(f"replica group exited with code {self.process.exitcode} without a result")
+            with open(self._out, "rb") as f:
+                status, value = pickle.load(f)
+        finally:
+            self._remove_work_dir()
         if status != "ok":
             raise RuntimeError(f"replica group failed: {value}")
         return value
