@@ -84,6 +84,10 @@ _PIP_SETTINGS_WITHOUT_EFFECT = frozenset({
     "config-file",
 })
 
+#: pip settings holding a whitespace-separated list, and the uv flag each item is passed with.
+_PIP_LIST_SETTINGS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
+                      "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
+
 
 def uv_settings(pip_config_listing: str) -> tuple[list[str], dict[str, str]] | str:
     """Translate pip's configuration (``pip config list``) into ``uv pip install`` arguments.
@@ -120,10 +124,9 @@ def uv_settings(pip_config_listing: str) -> tuple[list[str], dict[str, str]] | s
             continue
         if key == "index-url":
             args += ["--index-url", value]
-        elif key in ("extra-index-url", "find-links", "constraint", "trusted-host"):
-            flag = {"trusted-host": "--allow-insecure-host"}.get(key, f"--{key}")
+        elif key in _PIP_LIST_SETTINGS:
             for item in value.split():
-                args += [flag, item]
+                args += [_PIP_LIST_SETTINGS[key], item]
         elif key == "no-index":
             if value.strip().lower() in ("1", "true", "yes", "on"):
                 args.append("--no-index")
