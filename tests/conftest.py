@@ -8,8 +8,10 @@ belongs to a backend through ``@pytest.mark.backend("name")`` or through a
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -82,6 +84,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> str:
     """The device chosen with ``--device`` (``cpu`` by default)."""
     return str(request.config.getoption("--device"))
+
+
+# ----------------------------------------------------------------------------- the collector
+@pytest.fixture(autouse=True)
+def _collector_left_as_found() -> Iterator[None]:
+    """Fail a test that leaves Python's automatic garbage collector off in the pytest process.
+
+    A :class:`~torchtitan_spmd.train.Trainer` turns the collector off until its ``close()``
+    (``training.gc_freq``, as upstream). A test that builds one in this process and does not close
+    it left the collector off for every later test of its worker: the worker's heap then grew
+    without a cycle collection, and every rank forked from it inherited the garbage and paid for
+    it in its trainer's first collection and in the mesh check's full one (docs/benchmarks.md,
+    round eight: about a tenth of the suite's CPU). The collector is turned back on here, and the
+    test fails in one line naming the cause.
+    """
+    was_on = gc.isenabled()
+    yield
+    if was_on and not gc.isenabled():
+        gc.enable()
+        pytest.fail("this test left Python's garbage collector off in the pytest process: close every "
+                    "Trainer it builds here (trainer.close(), or contextlib.closing(Trainer(cfg)))",
+                    pytrace=False)
 
 
 # ----------------------------------------------------------------------------- skips

@@ -65,3 +65,30 @@ def test_a_slow_marker_needs_a_reason(tmp_path: Path) -> None:
 def test_within_the_budget_passes(tmp_path: Path) -> None:
     proc = _pytest(tmp_path, "\n\ndef test_x():\n    _burn(0.05)\n")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_test_that_leaves_the_collector_off_fails_and_the_next_finds_it_on(tmp_path: Path) -> None:
+    """A trainer built in the pytest process and never closed leaves Python's collector off (its
+    ``training.gc_freq`` handling): every later rank forked from that worker then inherits an
+    uncollected heap. The suite's conftest fails that test in one line and turns it back on."""
+    proc = _pytest(tmp_path, """
+import gc
+
+
+def test_leaves_it_off():
+    gc.disable()
+
+
+def test_finds_it_on():
+    assert gc.isenabled()
+
+
+def test_turns_it_off_and_back_on():
+    gc.disable()
+    gc.enable()
+""")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "3 passed, 1 error" in out, out
+    assert "ERROR test_it.py::test_leaves_it_off" in out, out
+    assert "left Python's garbage collector off in the pytest process" in out, out

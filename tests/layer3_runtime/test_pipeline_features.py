@@ -24,6 +24,7 @@ Real gloo ranks (PP 2 x FSDP 2, 4 forked processes), every 4-rank case in one la
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +168,8 @@ def test_a_seed_checkpoint_under_pp_is_the_one_process_error(fake_pg: Callable[[
     cfg = pp_config(pp2())
     cfg.job.dump_folder = str(tmp_path)
     cfg.checkpoint.enable, cfg.checkpoint.create_seed_checkpoint = True, True
-    trainer = Trainer(cfg)
-    with pytest.raises(ValueError, match="create_seed_checkpoint needs one process.*this run has 4"):
+    with closing(Trainer(cfg)) as trainer, pytest.raises(
+            ValueError, match="create_seed_checkpoint needs one process.*this run has 4"):
         trainer.run()
     assert not (tmp_path / "checkpoint" / "step-0").exists()
 
@@ -251,6 +252,7 @@ def test_csv_setup_errors_of_the_fields(fake_pg: Callable[[int], None], tmp_path
     # a CSV for the loop placement of two stages a rank, with the stages of a single-stage schedule
     with pytest.raises(ValueError, match="stage 3 does not exist|stage 2 does not exist"):
         Trainer(_fake_cfg(zero_bubble, "1F1B"))
-    trainer = Trainer(_fake_cfg(zero_bubble, "interleaved1f1b", ac="full"))  # a concrete name: its placement
-    assert trainer.pipeline is not None and trainer.pipeline.stage_indices == [0, 2]
-    assert type(trainer.pipeline.schedule).__name__ == "_PipelineScheduleRuntime"
+    # a concrete schedule name: its placement
+    with closing(Trainer(_fake_cfg(zero_bubble, "interleaved1f1b", ac="full"))) as trainer:
+        assert trainer.pipeline is not None and trainer.pipeline.stage_indices == [0, 2]
+        assert type(trainer.pipeline.schedule).__name__ == "_PipelineScheduleRuntime"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -179,19 +180,22 @@ def test_a_layers_per_stage_that_fits_builds(fake_pg: Callable[[int], None]) -> 
     from torchtitan_spmd.train import Trainer
 
     fake_pg(4)
-    trainer = Trainer(_cfg(pipeline_parallel_layers_per_stage=2))
-    assert trainer.pipeline is not None and trainer.pipeline.module_names == [["tok_embeddings", "layers.0"]]
+    with closing(Trainer(_cfg(pipeline_parallel_layers_per_stage=2))) as trainer:
+        assert trainer.pipeline is not None and trainer.pipeline.module_names == [["tok_embeddings", "layers.0"]]
 
 
 def test_a_looped_schedule_places_upstreams_stages(fake_pg: Callable[[int], None]) -> None:
     from torchtitan_spmd.train import Trainer
 
     fake_pg(4)  # this process is pp rank 0 of 2: loop style stages 0 and 2, V style 0 and 3
-    looped = Trainer(_cfg(pipeline_parallel_schedule="Interleaved1F1B")).pipeline
+    with closing(Trainer(_cfg(pipeline_parallel_schedule="Interleaved1F1B"))) as trainer:
+        looped = trainer.pipeline
     assert looped is not None and looped.stage_indices == [0, 2]
     assert looped.module_names == [["tok_embeddings"], ["layers.1"]]
-    assert Trainer(_cfg(pipeline_parallel_schedule="gpipe")).pipeline.schedule_name == "GPipe"  # type: ignore[union-attr]
-    v_shaped = Trainer(_cfg(pipeline_parallel_schedule="ZBVZeroBubble")).pipeline
+    with closing(Trainer(_cfg(pipeline_parallel_schedule="gpipe"))) as trainer:
+        assert trainer.pipeline is not None and trainer.pipeline.schedule_name == "GPipe"
+    with closing(Trainer(_cfg(pipeline_parallel_schedule="ZBVZeroBubble"))) as trainer:
+        v_shaped = trainer.pipeline
     assert v_shaped is not None and v_shaped.stage_indices == [0, 3]
     assert v_shaped.module_names == [["tok_embeddings"], ["norm", "output"]]
 

@@ -4,6 +4,7 @@ the DTensor views (sharing storage), local regions with keyword arguments, upstr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import closing
 
 import pytest
 from representation_helpers import (
@@ -87,12 +88,12 @@ def test_the_trainer_ignores_the_process_default(fake_world: None) -> None:
             "training": {"steps": 1, "local_batch_size": 1, "seq_len": 16, "device": "cpu"},
             "parallelism": {"spmd_backend": "default", "data_parallel_shard_degree": 1},
         })
-        trainer = Trainer(cfg)
-        # every build (the model, and the meta copy the FLOPs count reads) sees the config's backend
-        assert trainer.representation.name == "default" and seen and set(seen) == {"default"}
-        built = len(seen)
-        trainer.model.register_forward_pre_hook(lambda *_: seen.append(get_spmd_backend()))
-        trainer.step(1)
+        with closing(Trainer(cfg)) as trainer:
+            # every build (the model, and the meta copy the FLOPs count reads) sees the config's backend
+            assert trainer.representation.name == "default" and seen and set(seen) == {"default"}
+            built = len(seen)
+            trainer.model.register_forward_pre_hook(lambda *_: seen.append(get_spmd_backend()))
+            trainer.step(1)
         assert seen[built:] == ["default"]
         assert get_spmd_backend() == "full_dtensor"
     finally:

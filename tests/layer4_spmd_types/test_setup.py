@@ -7,6 +7,7 @@ shapes, annotations, plan validation and type checking, in milliseconds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -112,7 +113,7 @@ def test_typechecking_with_compile_is_a_setup_error(fake_world: Callable[[int], 
     cfg.training.mixed_precision_param = "float32"
     cfg.activation_checkpoint.mode = "none"
     if not typechecking:  # compile alone sets up (the model is built, nothing compiled yet)
-        Trainer(cfg)
+        Trainer(cfg).close()
         return
     with pytest.raises(ValueError) as err:
         Trainer(cfg)
@@ -499,7 +500,7 @@ def test_the_trainer_type_checks_exactly_when_debug_spmd_typechecking_says(
     fake_world(2)
     cfg = _cfg(data_parallel_shard_degree=1, tensor_parallel_degree=2)
     cfg.debug.spmd_typechecking = typechecking
-    trainer = Trainer(cfg)
-    assert not st.is_type_checking()
-    with trainer.train_context():  # what the trainer's step runs forward and loss in
-        assert st.is_type_checking() is typechecking
+    with closing(Trainer(cfg)) as trainer:
+        assert not st.is_type_checking()
+        with trainer.train_context():  # what the trainer's step runs forward and loss in
+            assert st.is_type_checking() is typechecking
