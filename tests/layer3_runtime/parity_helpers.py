@@ -74,8 +74,13 @@ def warm_parent() -> None:
     import torch._inductor  # noqa: F401
 
     import torchtitan_spmd.train  # noqa: F401
+    from torchtitan_spmd.tools.flops import peak_flops
 
     grad_probe.install()  # every rank records its step-1 gradient norms (grad_probe)
+    # The CPU peak a trainer's MFU is measured against, timed here once (a matmul of 0.27 GFLOP,
+    # 7 times): ranks forked on as many threads inherit it rather than each timing its own
+    # (measured: 2 % of the suite's rank time when every rank timed it).
+    peak_flops("cpu", None)
 
 
 class Run(list):  # type: ignore[type-arg]

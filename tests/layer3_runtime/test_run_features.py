@@ -552,6 +552,52 @@ def test_memory_snapshot_cadence_follows_memory_snapshot_freq(tmp_path: Any, mon
         ProfilerConfig(memory_snapshot_freq=0)
 
 
+def test_the_cpu_peak_is_measured_once_per_process_and_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MFU's CPU peak: a timed matmul, once per process and thread count (every later trainer,
+    and every rank forked after it, reuses the figure); a configured peak times nothing."""
+    from torchtitan_spmd.tools import flops
+
+    flops._measured_cpu_peak.cache_clear()
+    timings: list[float] = []
+    clock = flops.time.perf_counter
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: timings.append(1.0) or clock())
+    threads = torch.get_num_threads()
+    first = flops.peak_flops("cpu", None)
+    assert first[0] > 0 and first[1] == f"measured (a 512x512 float32 matmul on {threads} thread(s))", first
+    assert len(timings) == 10  # five timed matmuls, a start and an end each
+    assert flops.peak_flops("cpu", None) == first and len(timings) == 10
+    assert flops.peak_flops("cpu", 0.5) == (0.5e12, "configured (metrics.cpu_peak_tflops)") and len(timings) == 10
+    torch.set_num_threads(threads + 1)
+    try:
+        other = flops.peak_flops("cpu", None)
+    finally:
+        torch.set_num_threads(threads)
+    assert other[1] == f"measured (a 512x512 float32 matmul on {threads + 1} thread(s))" and len(timings) == 20
+
+
+def _peak_in_a_rank(rank: int, world: int) -> tuple[int, tuple[float, str], int]:
+    from torchtitan_spmd.tools import flops
+
+    before = flops._measured_cpu_peak.cache_info().misses
+    peak = flops.peak_flops("cpu", None)
+    return before, peak, flops._measured_cpu_peak.cache_info().misses
+
+
+def test_a_forked_rank_inherits_the_cpu_peak_measured_before_the_fork() -> None:
+    """The ranks of ``run_forked`` (one thread each) reuse a one-thread peak measured in their
+    parent: the tests measure it once per worker (parity_helpers.warm_parent), not once per rank."""
+    from torchtitan_spmd.tools import flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measured = flops.peak_flops("cpu", None)
+    finally:
+        torch.set_num_threads(threads)
+    [(before, peak, after)] = run_forked(_peak_in_a_rank, 1)
+    assert peak == measured and before == after, (peak, measured, before, after)
+
+
 def test_flops_per_token_is_upstreams_count() -> None:
     from torchtitan_spmd.models import get_model_spec
     from torchtitan_spmd.tools.flops import flops_per_token

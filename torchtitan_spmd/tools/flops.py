@@ -8,11 +8,13 @@ router and shared experts). Causal sparsity and recomputation are not counted, a
 
 :func:`peak_flops` is the peak of one device: a table of known GPUs (bf16 dense, as upstream's
 ``get_peak_flops``); on CPU, ``metrics.cpu_peak_tflops`` when set ("configured"), else a
-timed float32 matmul on this process's threads ("measured"). The log says which.
+timed float32 matmul on this process's threads ("measured", once per process and thread count).
+The log says which.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -64,12 +66,28 @@ def peak_flops(device_type: str, configured_cpu_tflops: float | None) -> tuple[f
         return 312e12, f"table: {name} unknown, A100's 312 TFLOP/s assumed"
     if configured_cpu_tflops is not None:
         return configured_cpu_tflops * 1e12, "configured (metrics.cpu_peak_tflops)"
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    threads = torch.get_num_threads()
+    return _measured_cpu_peak(threads), f"measured (a {_N}x{_N} float32 matmul on {threads} thread(s))"
+
+
+#: The side of the square matmul :func:`peak_flops` times on a CPU.
+_N = 512
+
+
+@functools.cache
+def _measured_cpu_peak(threads: int) -> float:
+    """FLOP/s of the best of five ``_N x _N`` float32 matmuls on ``threads`` threads (this
+    process's count when called), after one warm-up.
+
+    Measured once per process and thread count: every trainer of a process (a notebook, a
+    validator, a test's ranks) logs the same peak, and a process forked after the measurement
+    (the ranks of ``torchtitan_spmd.launcher.run_forked``) inherits it instead of timing its own.
+    """
+    a, b = torch.randn(_N, _N), torch.randn(_N, _N)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best, f"measured (a {n}x{n} float32 matmul on {torch.get_num_threads()} thread(s))"
+    return 2 * _N**3 / best
