@@ -91,10 +91,10 @@ def results_of(runs: dict[str, tuple[str, Any]], case: str) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def clean_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
-    """This module's four cases, from one clean interpreter (:func:`in_a_clean_interpreter`)."""
+    """This module's five cases, from one clean interpreter (:func:`in_a_clean_interpreter`)."""
     store = tmp_path_factory.mktemp("mesh-reuse-store")
     cases = {"_same_layout_keeps": (), "_other_layout_clears": (), "_foreign_mesh_clears": (),
-             "_new_process_group": (str(store),)}
+             "_dropped_mesh_keeps": (), "_new_process_group": (str(store),)}
     return in_a_clean_interpreter(__file__, cases, timeout_s=120)
 
 
@@ -103,18 +103,28 @@ def _pd(tp: int = 2, dp_shard: int = 2, backend: str = "full_dtensor") -> Parall
 
 
 def _same_layout_keeps(rank: int, world: int) -> dict[str, object]:
+    import gc
+
     first = _pd()
     first.build_mesh()
     cold = _op_on(first)
     second = _pd()
-    second.build_mesh()
+    collections, collect = [], gc.collect
+    gc.collect = lambda *a: collections.append(a) or collect(*a)  # type: ignore[assignment]
+    try:
+        second.build_mesh()
+    finally:
+        gc.collect = collect
     return {"same_objects": second.world_mesh is first.world_mesh and second.get_mesh("tp") is first.get_mesh("tp"),
-            "cold": cold, "warm": _op_on(second)}
+            "cold": cold, "warm": _op_on(second), "collections": len(collections)}
 
 
 def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm_caches(clean_runs: dict) -> None:
+    """The same mesh objects and warm caches, and no full collection to find that out when no other
+    mesh is alive (in a forked rank one touches the parent's whole heap too: about 0.9 s a trainer
+    in the suite's multi-trainer ranks, on a loaded 2-core machine)."""
     for out in results_of(clean_runs, "_same_layout_keeps"):
-        assert out["same_objects"], out
+        assert out["same_objects"] and out["collections"] == 0, out
         (total, cold_misses), (again, warm_misses) = out["cold"], out["warm"]
         assert total == again == 28.0 * 3, out  # (0+...+7) x 3 columns of ones
         assert cold_misses > 0 and warm_misses == 0, out
@@ -159,6 +169,33 @@ def test_a_mesh_built_elsewhere_clears_the_caches_at_the_next_reuse(clean_runs: 
     reuse hands out the kept meshes but clears them."""
     for out in results_of(clean_runs, "_foreign_mesh_clears"):
         assert out["reused"] and out["after"] == (84.0, out["after"][1]) and out["after"][1] > 0, out
+
+
+def _dropped_mesh_keeps(rank: int, world: int) -> dict[str, object]:
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    first = _pd()
+    first.build_mesh()
+    _op_on(first)
+    gc.disable()  # as a trainer has it: only a collection frees the dropped mesh below
+    try:
+        mine = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        mine.myself = mine  # a cycle: dropped, it lives on until the cycle collector runs
+        del mine
+        again = _pd()
+        again.build_mesh()
+        return {"reused": again.world_mesh is first.world_mesh, "after": _op_on(again)}
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_mesh_built_elsewhere_is_collected_and_the_caches_kept(clean_runs: dict) -> None:
+    """A mesh of the caller's own that no one refers to any more (garbage in a cycle, never in a
+    cache entry) is collected by the check, and the caches stay warm."""
+    for out in results_of(clean_runs, "_dropped_mesh_keeps"):
+        assert out["reused"] and out["after"] == (84.0, 0), out
 
 
 def _new_process_group(rank: int, world: int, store_dir: str) -> dict[str, object]:
