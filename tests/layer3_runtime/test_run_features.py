@@ -562,7 +562,9 @@ def test_the_cpu_peak_is_measured_once_per_process_and_thread_count(monkeypatch:
     clock = flops.time.perf_counter
     monkeypatch.setattr(flops.time, "perf_counter", lambda: timings.append(1.0) or clock())
     threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
     first = flops.peak_flops("cpu", None)
+    assert torch.equal(torch.get_rng_state(), rng)  # a run's random stream is not the measurement's to move
     assert first[0] > 0 and first[1] == f"measured (a 512x512 float32 matmul on {threads} thread(s))", first
     assert len(timings) == 10  # five timed matmuls, a start and an end each
     assert flops.peak_flops("cpu", None) == first and len(timings) == 10

@@ -83,7 +83,8 @@ def _measured_cpu_peak(threads: int) -> float:
     validator, a test's ranks) logs the same peak, and a process forked after the measurement
     (the ranks of ``torchtitan_spmd.launcher.run_forked``) inherits it instead of timing its own.
     """
-    a, b = torch.randn(_N, _N), torch.randn(_N, _N)
+    rng = torch.Generator().manual_seed(0)  # its own: the measurement leaves the global RNG as it was
+    a, b = torch.randn(_N, _N, generator=rng), torch.randn(_N, _N, generator=rng)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(5):
