@@ -130,23 +130,38 @@ def test_a_second_parallel_dims_of_the_same_layout_gets_the_same_meshes_and_warm
         assert cold_misses > 0 and warm_misses == 0, out
 
 
+def _planners_on(pd: ParallelDims) -> int:
+    """How many of DTensor's cached redistribution planners hold a mesh of ``pd``'s."""
+    from torch.distributed.tensor import _redistribute
+
+    held = [ref() for ref, _ in getattr(_redistribute, "_planner_cache", {})]
+    roots = [mesh if getattr(mesh, "_root_mesh", None) is None else mesh._root_mesh for mesh in held]
+    return sum(1 for root in roots if root is pd.world_mesh)
+
+
 def _other_layout_clears(rank: int, world: int) -> dict[str, object]:
     first = _pd(backend="default")
     first.build_mesh()
     _op_on(first)
+    planners = _planners_on(first)
     other = _pd(backend="full_dtensor")  # other names and groups, an equal-sized tp axis
     other.build_mesh()
+    planners_after = _planners_on(first)
     on_switch = _op_on(other)
     back = _pd(backend="default")  # the previous layout is not kept once another was built
     back.build_mesh()
-    return {"on_switch": on_switch, "new_objects": back.world_mesh is not first.world_mesh, "on_return": _op_on(back)}
+    return {"on_switch": on_switch, "new_objects": back.world_mesh is not first.world_mesh, "on_return": _op_on(back),
+            "planners": (planners, planners_after)}
 
 
 def test_another_layout_builds_new_meshes_and_clears_the_caches(clean_runs: dict) -> None:
+    """New meshes, and DTensor's caches cleared: its sharding decisions, and its redistribution
+    planners, each of which held its mesh (and so its groups) alive for the rest of the process."""
     for out in results_of(clean_runs, "_other_layout_clears"):
         assert out["new_objects"], out
         assert out["on_switch"][0] == out["on_return"][0] == 84.0, out
         assert out["on_switch"][1] > 0 and out["on_return"][1] > 0, out  # missed: cleared
+        assert out["planners"][0] > 0 and out["planners"][1] == 0, out
 
 
 def _foreign_mesh_clears(rank: int, world: int) -> dict[str, object]:

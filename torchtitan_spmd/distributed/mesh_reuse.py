@@ -39,18 +39,25 @@ __all__ = ["BuiltMeshes", "clear_dtensor_sharding_caches", "remember", "reusable
 
 
 def clear_dtensor_sharding_caches() -> None:
-    """Forget DTensor's cached sharding propagations (the Python and the C++ cache).
+    """Forget DTensor's cached sharding propagations (the Python and the C++ cache) and its
+    redistribution planners.
 
     They key on mesh *equality*: with a second, equal mesh in the process (another trainer, a
     benchmark, a notebook) they hand back the first mesh object, and
-    ``fully_shard(dp_mesh_dims=...)`` then fails with "different mesh objects".
+    ``fully_shard(dp_mesh_dims=...)`` then fails with "different mesh objects". Each planner
+    (``torch.distributed.tensor._redistribute._planner_cache``, keyed on a weak reference to its
+    mesh) holds its mesh strongly, so without this a mesh, and its groups, outlived every trainer
+    that used it.
     """
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - torch.distributed.tensor is heavy
+    from torch.distributed.tensor import DTensor, _redistribute  # noqa: PLC0415 - heavy
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:
         clear_native()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # (where this torch has the cache)
+        clear_planners()
     planner_memo.clear()  # its keys hold specs, and so meshes
 
 
