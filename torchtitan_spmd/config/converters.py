@@ -97,12 +97,21 @@ class Float8GroupedExpertsConverterConfig(QuantizationConverterConfig):
 
 @dataclass(kw_only=True)
 class MXFP8LinearConverterConfig(QuantizationConverterConfig):
-    """Upstream's ``MXFP8LinearConverter.Config`` (SM100+)."""
+    """Upstream's ``MXFP8LinearConverter.Config``: dynamic MXFP8 training of the linears (torchao's
+    ``MXFP8Linear``: float8 e4m3 elements with one power-of-two scale per block of 32)."""
 
     converter: ClassVar[str] = "MXFP8LinearConverter"
 
     fqns: list[str] = field(default_factory=list)
-    """Linears whose fully qualified name contains one of these are converted; empty: all."""
+    """Linears whose fully qualified name contains one of these are converted; empty: every linear
+    whose dimensions are multiples of 32 (MXFP8's block). A named linear that is not is a setup error."""
+
+    emulate: bool = False
+    """Not upstream's: run torchao's emulated MXFP8 kernels (any device, eager; the CPU's and tests'
+    path). Without it MXFP8 needs an NVIDIA GPU of compute capability 10.0 (SM100) or newer."""
+
+    def check(self, where: str) -> None:
+        _check_str_list(f"{where}.fqns", self.fqns)
 
 
 @dataclass(kw_only=True)

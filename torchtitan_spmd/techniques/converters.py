@@ -81,7 +81,9 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
                    representation: Any) -> None:
     """After the plan: the float8 linears learn how their weights are sharded over ``tp`` and
     the ``max`` that makes their scales global: the representation's ``amax_max_over_tp`` where
-    it defines one (typed), else a plain all-reduce over the ``tp`` group."""
+    it defines one (typed), else a plain all-reduce over the ``tp`` group. The MXFP8 linears
+    learn their shards, checked to split no block (a setup error naming them)."""
+    quantization.bind_mxfp8_shards(model, state_layouts, parallel_dims.tp)
     if not parallel_dims.tp_enabled:
         quantization.bind_float8_shards(model, state_layouts, None)
         return
@@ -92,8 +94,8 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
 
 def converted_counts(model: nn.Module) -> dict[str, int]:
     """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8
-    linears and their weights' elements (kept in high precision: torchao's dynamic scaling stores
-    no scales, it computes them each step), LoRA's adapter elements, and the frozen parameters'
+    and MXFP8 linears and their weights' elements (kept in high precision: torchao's dynamic scaling
+    stores no scales, it computes them each step), LoRA's adapter elements, and the frozen parameters'
     elements and bytes (no gradient, no optimizer state). Empty for an unconverted model."""
     from torch.distributed.tensor import DTensor
 
@@ -107,6 +109,12 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
         out["float8_linears"] = len(float8)
         out["float8_weight_numel"] = sum(local(m.weight).numel() for m in float8)
         out["float8_stored_scales"] = 0
+    mxfp8 = [m for m in model.modules() if quantization.MXFP8Linear is not None
+             and isinstance(m, quantization.MXFP8Linear)]
+    if mxfp8:
+        out["mxfp8_linears"] = len(mxfp8)
+        out["mxfp8_weight_numel"] = sum(local(m.weight).numel() for m in mxfp8)
+        out["mxfp8_stored_scales"] = 0
     adapters = [getattr(m, a) for m in model.modules() if lora.is_lora(m) for a in lora.ADAPTERS]
     if adapters:
         out["lora_adapter_numel"] = sum(local(p).numel() for p in adapters)

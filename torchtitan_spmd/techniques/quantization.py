@@ -57,11 +57,14 @@ __all__ = [
     "Float8GroupedExpertsConverter",
     "Float8Linear",
     "Float8LinearConverter",
+    "MXFP8_BLOCK",
     "MXFP8GroupedExpertsConverter",
     "MXFP8LinearConverter",
     "NVFP4LinearConverter",
     "QuantizationConverter",
+    "MXFP8Linear",
     "bind_float8_shards",
+    "bind_mxfp8_shards",
     "has_cuda_capability",
     "import_torchao_float8",
 ]
@@ -195,13 +198,15 @@ def _float8_linear_class() -> type[nn.Module]:
             if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast dtype
                 input = input.to(torch.get_autocast_gpu_dtype())
             if isinstance(self.weight, DTensor):
-                return _dtensor_forward(self, input)
-            sharded = self.tp_weight_shard_dim
-            out = sharded_float8_matmul(input, self.weight.t(), self.linear_mm_config, self.config,
-                                        None if sharded is None else 1 - sharded, self.amax_reduce)
+                return _dtensor_forward(self, input, self._local_mm)
+            out = self._local_mm(input, self.weight, self.tp_weight_shard_dim)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out
+
+        def _local_mm(self, input: torch.Tensor, weight: torch.Tensor, sharded: int | None) -> torch.Tensor:
+            return sharded_float8_matmul(input, weight.t(), self.linear_mm_config, self.config,
+                                         None if sharded is None else 1 - sharded, self.amax_reduce)
 
     _Float8Linear.__name__ = _Float8Linear.__qualname__ = "Float8Linear"
     _Float8Linear.__module__ = __name__
@@ -214,12 +219,15 @@ def _float8_linear_class() -> type[nn.Module]:
 Float8Linear: Any = None
 
 
-def _dtensor_forward(module: Any, input: Any) -> Any:
-    """A float8 linear on DTensors (``full_dtensor``): on their local shards, as ``local_map`` would,
-    through :class:`_ShardedFloat8Matmul`. torchao's own DTensor path fails on an input sharded on
-    the batch and the features at once (rowwise scales of a row-wise linear under FSDP x TP:
-    "shape '[16, 1]' is invalid", torchao 0.18.0), so the DTensor is unwrapped here; the output
-    has the placements the plan declares (the features sharded, or a pending sum over ``tp``)."""
+def _dtensor_forward(module: Any, input: Any,
+                     local_mm: Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]) -> Any:
+    """A quantized linear on DTensors (``full_dtensor``): ``local_mm(input, weight, tp shard dim of
+    the weight or None)`` on their local shards, as ``local_map`` would (float8:
+    :class:`_ShardedFloat8Matmul`; MXFP8: :class:`_LocalMXFP8Matmul`). torchao's own DTensor path
+    fails on an input sharded on the batch and the features at once (rowwise scales of a row-wise
+    linear under FSDP x TP: "shape '[16, 1]' is invalid", torchao 0.18.0), so the DTensor is
+    unwrapped here; the output has the placements the plan declares (the features sharded, or a
+    pending sum over ``tp``)."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     from torchtitan_spmd.distributed.representations._dtensor import local_grad_placements
@@ -235,8 +243,7 @@ def _dtensor_forward(module: Any, input: Any) -> Any:
         for i, p in enumerate(input.placements))
     x = input.to_local(grad_placements=local_grad_placements(input.placements, out_placements))
     w = weight.to_local(grad_placements=local_grad_placements(weight.placements, out_placements))
-    out = sharded_float8_matmul(x, w.t(), module.linear_mm_config, module.config,
-                                None if tp is None else 1 - sharded, module.amax_reduce)
+    out = local_mm(x, w, None if tp is None else sharded)
     out = DTensor.from_local(out, mesh, out_placements, run_check=False)
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)
@@ -442,6 +449,197 @@ def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
     return bound
 
 
+# ----------------------------------------------------------------------------- MXFP8 linears
+#: MXFP8's block: 32 consecutive elements along the contracted dim share one power-of-two scale.
+MXFP8_BLOCK = 32
+
+
+def _import_torchao_mxfp8(what: str) -> Any:
+    """torchao's ``mxfp8_linear`` module, or ImportError in one line naming ``what`` and the extra."""
+    import_torchao_float8(what)  # the one message for a missing torchao
+    with _quiet_torchao_enum_warning():
+        import torchao.prototype.moe_training.mxfp8_linear as mxfp8_linear
+    return mxfp8_linear
+
+
+class _LocalMXFP8Matmul(torch.autograd.Function):
+    """``input @ weight.t()`` in MXFP8 on this rank's tensors: torchao's ``mx_mm`` (its forward and
+    backward, the same three casts and scaled matmuls), with the type rule ``spmd_types``' checker
+    needs (torchao's Function has none).
+
+    Nothing is reduced across ranks. MXFP8's scales are per block of 32 along each matmul's
+    contracted dim, and a tensor-parallel shard whose sharded dim is a multiple of 32 splits no
+    block (:func:`bind_mxfp8_shards` checks it), so every block, and its scale, lies whole on
+    one rank: the local matmul is the unsharded one's part (a shard of the output, or a term of
+    its pending sum over tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp: torch.Tensor, kernel_preference: Any,
+                scale_mode: Any, wgrad_with_hp: bool) -> torch.Tensor:
+        from torchao.prototype.mx_formats.config import (
+            MXFP8Dim0CastKernelChoice,
+            MXFP8Dim1CastKernelChoice,
+        )
+
+        mx_mm = _import_torchao_mxfp8("MXFP8LinearConverter").mx_mm
+        ctx.mx_mm = mx_mm
+        e4m3 = torch.float8_e4m3fn  # as torchao's _to_mxfp8_then_scaled_mm: every operand e4m3, its kernels
+        return mx_mm.forward(ctx, input_hp.contiguous(), weight_hp.contiguous(), e4m3, e4m3, e4m3, MXFP8_BLOCK,
+                             kernel_preference, MXFP8Dim0CastKernelChoice.TRITON, MXFP8Dim1CastKernelChoice.CUDA,
+                             scale_mode, wgrad_with_hp)
+
+    @staticmethod
+    def spmd_typecheck(*, input_hp: Any, weight_hp: Any) -> Any:
+        """A linear's types: multilinear in the input and the weight (each block's scale is the
+        block's own, on the rank that holds it)."""
+        from spmd_types import rules
+
+        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
+        if x is None:
+            raise TypeError("MXFP8Linear under spmd_types type checking: a 2-D or 3-D input.")
+        return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad_input, grad_weight, *_ = ctx.mx_mm.backward(ctx, grad_output)
+        return grad_input, grad_weight, None, None, None
+
+
+def _mxfp8_linear_class() -> type[nn.Module]:
+    mxfp8_linear = _import_torchao_mxfp8("MXFP8LinearConverter")
+
+    global MXFP8Linear
+    if MXFP8Linear is not None:
+        return MXFP8Linear
+
+    class _MXFP8Linear(mxfp8_linear.MXFP8Linear):  # type: ignore[misc, name-defined]
+        """torchao's ``MXFP8Linear`` (its kernel preference, scale mode and weight-gradient
+        precision), computing on local shards: on DTensors (``full_dtensor``) through their local
+        tensors, on plain tensors (``spmd_types``, FSDP's unsharded weights) directly, through
+        :class:`_LocalMXFP8Matmul`. ``tp_weight_shard_dim`` (0, 1 or None) is set by
+        :func:`bind_mxfp8_shards` after the plan sharded the weight."""
+
+        tp_weight_shard_dim: int | None = None
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(self.weight, DTensor):
+                return _dtensor_forward(self, input, self._local_mm)
+            out = self._local_mm(input, self.weight, self.tp_weight_shard_dim)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out
+
+        def _local_mm(self, input: torch.Tensor, weight: torch.Tensor, sharded: int | None) -> torch.Tensor:
+            tokens = input.numel() // input.shape[-1]
+            if tokens % MXFP8_BLOCK:
+                raise ValueError(f"MXFP8Linear: this rank's forward has {tokens} tokens, not a multiple of "
+                                 f"{MXFP8_BLOCK} (MXFP8 scales the weight gradient's blocks along the tokens): "
+                                 "make training.local_batch_size x training.seq_len per microbatch and "
+                                 "context-parallel rank a multiple of 32.")
+            return _LocalMXFP8Matmul.apply(input, weight, self.kernel_preference, self.scale_calculation_mode,
+                                           self.wgrad_with_hp)
+
+    _MXFP8Linear.__name__ = _MXFP8Linear.__qualname__ = "MXFP8Linear"
+    _MXFP8Linear.__module__ = __name__
+    MXFP8Linear = _MXFP8Linear
+    return MXFP8Linear
+
+
+#: The MXFP8 linear class (torchao's subclass); None until first use or without torchao.
+MXFP8Linear: Any = None
+
+
+class MXFP8LinearConverter(QuantizationConverter):
+    """Upstream's ``MXFP8LinearConverter``: the linears to torchao's ``MXFP8Linear`` (dynamic MXFP8:
+    e4m3 elements, one power-of-two scale per 32, on every operand of the three matmuls).
+
+    Checks at construction, each a one-line error: torchao installed (the ``float8`` extra), and a
+    GPU of compute capability 10.0+ unless ``emulate=True`` (not upstream's: torchao's emulated
+    kernels, eager, on any device). Unlike upstream, a linear whose dimensions are not multiples of
+    32 is left in high precision when ``fqns`` is empty (upstream converts it and torchao fails at
+    the first step), and is a setup error when ``fqns`` names it.
+    """
+
+    Config: ClassVar[type[MXFP8LinearConverterConfig]] = MXFP8LinearConverterConfig
+
+    def __init__(self, config: MXFP8LinearConverterConfig) -> None:
+        super().__init__(config)
+        _import_torchao_mxfp8("MXFP8LinearConverter (MXFP8 training)")
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        if config.emulate and config.model_compile_enabled:
+            raise ValueError("MXFP8LinearConverter.Config: emulate=True is for eager mode; it does not run with "
+                             "model_compile_enabled=True (compile.enable with 'model' in compile.components).")
+        if not config.emulate:
+            _needs_sm("MXFP8LinearConverter", 10, 0, "MXFP8 matmuls (emulate=True runs anywhere, in eager mode)")
+        self.kernel_preference = KernelPreference.EMULATED if config.emulate else KernelPreference.AUTO
+        self.fqns = expand_upstream_names(list(config.fqns))
+
+    def keeps(self, fqn: str, module: nn.Module) -> bool:
+        """Whether the linear ``fqn`` is converted (raises ValueError for a named linear MXFP8 cannot take)."""
+        named = any(f in fqn for f in self.fqns)
+        if not isinstance(module, nn.Linear) or (self.fqns and not named):
+            return False
+        if type(module) is not nn.Linear:
+            if named:
+                raise ValueError(f"MXFP8LinearConverter.Config.fqns names {fqn!r}, already a "
+                                 f"{type(module).__name__} (one quantization converter per linear).")
+            return False
+        if module.in_features % MXFP8_BLOCK or module.out_features % MXFP8_BLOCK:
+            if named:
+                raise ValueError(f"MXFP8LinearConverter.Config.fqns names {fqn!r} ({module.in_features} -> "
+                                 f"{module.out_features}), whose dimensions are not multiples of {MXFP8_BLOCK} "
+                                 "(MXFP8's block): leave it out of fqns.")
+            return False
+        return True
+
+    def convert(self, model: nn.Module) -> list[str]:
+        cls = _mxfp8_linear_class()
+        converted = []
+        for fqn, module in list(model.named_modules()):
+            if not self.keeps(fqn, module):
+                continue
+            assert isinstance(module, nn.Linear)
+            new = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
+                      dtype=module.weight.dtype, kernel_preference=self.kernel_preference)
+            new.weight = module.weight  # the same parameters: built on meta, or already initialised
+            new.bias = module.bias
+            _set_submodule(model, fqn, new)
+            converted.append(fqn)
+        if self.fqns and not converted:
+            raise ValueError(f"MXFP8LinearConverter.Config.fqns: {self.config.fqns} name no linear of the model.")
+        return converted
+
+
+def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) -> int:
+    """Tell each MXFP8 linear how the plan sharded its weight over ``tp`` (``tp``: the degree; 1
+    without tensor parallelism), after checking that the shard splits no block of 32 (ValueError,
+    one line naming the linears); the number of MXFP8 linears whose weight is sharded over ``tp``."""
+    if MXFP8Linear is None:
+        return 0
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+    bound, split = 0, []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, MXFP8Linear):
+            continue
+        state = state_layouts.get(f"{plain_fqn(fqn)}.weight")
+        dim = state.layout.shard_dims().get("tp") if state is not None and tp > 1 else None
+        if dim is not None:
+            size = module.out_features if dim == 0 else module.in_features
+            if size % (tp * MXFP8_BLOCK):
+                split.append(f"{plain_fqn(fqn)} ({size} / tp {tp} = {size / tp:g})")
+        module.tp_weight_shard_dim = dim
+        bound += dim is not None
+    if split:
+        raise ValueError(f"MXFP8LinearConverter: tensor parallelism splits MXFP8's blocks of {MXFP8_BLOCK} in "
+                         f"{', '.join(split)}: leave them out of MXFP8LinearConverter.Config.fqns or lower "
+                         "parallelism.tensor_parallel_degree.")
+    return bound
+
+
 # ----------------------------------------------------------------------------- needing newer GPUs
 class _NeedsNewerGpu(QuantizationConverter):
     """A converter accepted by upstream's name and not built here: construction checks torchao and the
@@ -473,12 +671,10 @@ _NEWER_GPU = (
      ("float8 MoE training", (8, 9), "float8 grouped GEMMs (not emulated)",
       "float8 grouped GEMMs of the experts are not built in this library yet (the dense linears are: "
       "Float8LinearConverter)")),
-    ("MXFP8LinearConverter", MXFP8LinearConverterConfig,
-     ("MXFP8 training", (10, 0), "MXFP8 matmuls", "MXFP8 training is not built in this library yet")),
     ("MXFP8GroupedExpertsConverter", MXFP8GroupedExpertsConverterConfig,
      ("MXFP8 MoE training", (10, 0), "MXFP8 grouped GEMMs", "MXFP8 grouped GEMMs are not built in this library yet")),
     ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
      ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
 )
-Float8GroupedExpertsConverter, MXFP8LinearConverter, MXFP8GroupedExpertsConverter, NVFP4LinearConverter = (
+Float8GroupedExpertsConverter, MXFP8GroupedExpertsConverter, NVFP4LinearConverter = (
     _needing_newer_gpu(*row) for row in _NEWER_GPU)
