@@ -45,6 +45,15 @@ def test_float8_dense_layers_under_expert_parallelism_type_checked_match_torchao
                         spmd_typechecking=True)
 
 
+def test_mxfp8_type_checked_matches_torchaos_single_process_model() -> None:
+    """MXFP8 (emulated) at FSDP 2 x TP 2, type-checked: torchao's MXFP8 matmul on typed local
+    shards, typed as the linear it is (no block spans a shard, so nothing is reduced: a row-wise
+    linear's product is a pending sum over tp the checker follows), against torchao's own
+    ``MXFP8Linear`` model on one process."""
+    check_float8_parity("spmd_types-fsdp2_tp2-mxfp8-typechecked", "spmd_types", ("wk", "wv"), mxfp8=True,
+                        spmd_typechecking=True)
+
+
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
     """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
     adapters' pending sum over tp goes through a matmul the checker knows to be linear."""
