@@ -1,21 +1,25 @@
 """Model converters on this CPU: loss curves, step time and LoRA's optimizer memory (docs/converters.md).
 
     PYTHONPATH=. python bench/converters_bench.py curves --flavor tiny --steps 50
+    PYTHONPATH=. python bench/converters_bench.py curves --flavor debugmodel --configs fp32 mxfp8
     PYTHONPATH=. python bench/converters_bench.py time --flavor debugmodel --steps 8
     PYTHONPATH=. python bench/converters_bench.py memory --flavor debugmodel
     PYTHONPATH=. python bench/converters_bench.py gpu [--dim 4096 --tokens 8192 --layers 4]
 
 ``curves``: FSDP 2 x TP 2 (4 forked gloo ranks), fp32, float8 rowwise emulated, LoRA (rank 8 on wq,
 wk, wv, wo) and float8 + LoRA, under each backend; prints each run's losses and the largest
-relative loss gap after step 10 of float8 against fp32 and of float8 + LoRA against LoRA.
-``time``: the mean step time (steps 3..N) of fp32 and float8 emulated, side by side in one process
-tree (``default``). ``memory``: the AdamW state bytes of LoRA against full fine-tuning (two fp32
+relative loss gap after step 10 of float8 (and MXFP8, emulated: ``--configs`` picks the runs; the
+tiny model's ``wk``/``wv`` are too narrow for MXFP8 under tp 2, so MXFP8 curves use the debug model)
+against fp32 and of float8 + LoRA against LoRA.
+``time``: the mean step time (steps 3..N) of fp32, float8 emulated and MXFP8 emulated, side by side
+in one process tree (``default``). ``memory``: the AdamW state bytes of LoRA against full fine-tuning (two fp32
 moments per trainable parameter), from the model built on the meta device.
 ``gpu`` (the probe for a lent GPU, SM89+; ``--emulate`` runs it anywhere, small): one process, a stack
 of bf16 linears, torchao's own ``Float8Linear`` (rowwise, real ``_scaled_mm``) against the
 library's (``Float8LinearConverter``, the operand-by-operand matmul): the largest output and weight
 gradient difference (the same casts: expected 0), and eager forward + backward times of bf16,
-torchao's float8 and the library's float8.
+torchao's float8 and the library's float8. On an SM100+ GPU (or emulated) the same for MXFP8:
+torchao's ``MXFP8Linear`` against the library's (``MXFP8LinearConverter``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,18 @@ import time
 from typing import Any
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.config.converters import Float8LinearConverterConfig, LoRAConverterConfig
+from torchtitan_spmd.config.converters import (
+    Float8LinearConverterConfig,
+    LoRAConverterConfig,
+    MXFP8LinearConverterConfig,
+)
 from torchtitan_spmd.launcher import run_forked
 
 FLOAT8 = Float8LinearConverterConfig(emulate=True)
 LORA = LoRAConverterConfig(rank=8, alpha=16.0, target_modules=["wq", "wkv", "wo"])
-CONFIGS: dict[str, list[Any]] = {"fp32": [], "float8": [FLOAT8], "lora": [LORA], "float8_lora": [FLOAT8, LORA]}
+MXFP8 = MXFP8LinearConverterConfig(emulate=True)
+CONFIGS: dict[str, list[Any]] = {"fp32": [], "float8": [FLOAT8], "lora": [LORA], "float8_lora": [FLOAT8, LORA],
+                                 "mxfp8": [MXFP8]}
 
 
 def job(backend: str, flavor: str, steps: int, converters: list[Any]) -> JobConfig:
@@ -68,13 +78,17 @@ def gap(a: list[float], b: list[float], after: int = 10) -> float:
     return max(abs(x - y) / abs(y) for x, y in list(zip(a, b, strict=True))[after:])
 
 
-def curves(flavor: str, steps: int, backends: list[str]) -> dict[str, Any]:
+#: (run, its baseline) pairs whose loss gap ``curves`` prints, where both ran.
+GAPS = (("float8", "fp32"), ("mxfp8", "fp32"), ("float8_lora", "lora"))
+
+
+def curves(flavor: str, steps: int, backends: list[str], configs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for backend in backends:
-        runs = {name: run_forked(_run, 4, job(backend, flavor, steps, conv), timeout_s=1800)[0]["losses"]
-                for name, conv in CONFIGS.items()}
-        out[backend] = {"losses": runs, "float8_vs_fp32": gap(runs["float8"], runs["fp32"]),
-                        "float8_lora_vs_lora": gap(runs["float8_lora"], runs["lora"])}
+        runs = {name: run_forked(_run, 4, job(backend, flavor, steps, CONFIGS[name]), timeout_s=1800)[0]["losses"]
+                for name in configs}
+        out[backend] = {"losses": runs, **{f"{a}_vs_{b}": gap(runs[a], runs[b]) for a, b in GAPS
+                                           if a in runs and b in runs}}
         print(json.dumps({backend: {k: v for k, v in out[backend].items() if k != "losses"},
                           "last": {k: v[-1] for k, v in runs.items()}}), flush=True)
     return out
@@ -82,7 +96,7 @@ def curves(flavor: str, steps: int, backends: list[str]) -> dict[str, Any]:
 
 def step_time(flavor: str, steps: int) -> dict[str, float]:
     out = {}
-    for name in ("fp32", "float8"):
+    for name in ("fp32", "float8", "mxfp8"):
         times = run_forked(_run, 4, job("default", flavor, steps, CONFIGS[name]), timeout_s=1800)[0]["times"]
         out[name] = sum(times[2:]) / len(times[2:])
     print(json.dumps(out))
@@ -157,8 +171,50 @@ def gpu_probe(dim: int, tokens: int, layers: int, emulate: bool, iters: int = 20
         if device == "cuda":
             torch.cuda.synchronize()
         result[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
+    if emulate or has_cuda_capability(10, 0):
+        result.update(_mxfp8_probe(base, x, step, emulate, iters, device == "cuda"))
     print(json.dumps(result))
     return result
+
+
+def _mxfp8_probe(base: Any, x: Any, step: Any, emulate: bool, iters: int, cuda: bool) -> dict[str, Any]:
+    """torchao's ``MXFP8Linear`` stack against the library's (``MXFP8LinearConverter``) on ``base``'s
+    weights: the largest output and weight-gradient difference (the same kernels: expected 0), and
+    eager forward + backward times."""
+    import copy
+
+    import torch
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    convert_model(ours, build_converters([MXFP8LinearConverterConfig(emulate=emulate)]))
+    preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
+    for i, linear in enumerate(base):
+        new = MXFP8Linear(linear.in_features, linear.out_features, bias=False, device="meta",
+                          kernel_preference=preference)
+        new.weight = theirs[i].weight
+        theirs[i] = new
+    (o1, g1), (o2, g2) = step(ours), step(theirs)
+    out: dict[str, Any] = {
+        "mxfp8_output_max_abs_diff": float((o1.float() - o2.float()).abs().max()),
+        "mxfp8_weight_grad_max_abs_diff": max(float((a.float() - b.float()).abs().max())
+                                              for a, b in zip(g1, g2, strict=True)),
+    }
+    for name, model in (("torchao_mxfp8", theirs), ("library_mxfp8", ours)):
+        for _ in range(3):
+            step(model)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(model)
+        if cuda:
+            torch.cuda.synchronize()
+        out[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
+    return out
 
 
 def main() -> None:
@@ -167,6 +223,7 @@ def main() -> None:
     parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--backends", nargs="+", default=["default", "full_dtensor", "spmd_types"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["fp32", "float8", "lora", "float8_lora"])
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
@@ -175,7 +232,7 @@ def main() -> None:
     if args.what == "gpu":
         gpu_probe(args.dim, args.tokens, args.layers, args.emulate)
     elif args.what == "curves":
-        curves(args.flavor, args.steps, args.backends)
+        curves(args.flavor, args.steps, args.backends, args.configs)
     elif args.what == "time":
         step_time(args.flavor, args.steps)
     else:
