@@ -116,15 +116,30 @@ class MXFP8LinearConverterConfig(QuantizationConverterConfig):
 
 @dataclass(kw_only=True)
 class MXFP8GroupedExpertsConverterConfig(QuantizationConverterConfig):
-    """Upstream's ``MXFP8GroupedExpertsConverter.Config`` (SM100+)."""
+    """Upstream's ``MXFP8GroupedExpertsConverter.Config``: the MoE experts' grouped GEMMs in MXFP8
+    (torchao's ``_to_mxfp8_then_scaled_grouped_mm``)."""
 
     converter: ClassVar[str] = "MXFP8GroupedExpertsConverter"
 
     recipe_name: Literal["mxfp8_rceil"] = "mxfp8_rceil"
-    """The grouped GEMMs' MXFP8 recipe."""
+    """The grouped GEMMs' MXFP8 recipe: ``mxfp8_rceil`` (scales rounded up, RCEIL)."""
 
     pad_multiple: int = 32
-    """Each expert's token group padded to a multiple of this."""
+    """Each expert's token group padded to a multiple of this (MXFP8's block of 32, or a multiple of
+    it: sm_100's CuTeDSL kernels need 128)."""
+
+    emulate: bool = False
+    """Not upstream's: torchao's emulated MXFP8 grouped GEMMs (any device, eager; products in
+    bfloat16). Without it they need an NVIDIA GPU of compute capability 10.0 (SM100) or newer."""
+
+    def check(self, where: str) -> None:
+        if self.recipe_name != "mxfp8_rceil":
+            raise ValueError(f"{where}.recipe_name: invalid value {self.recipe_name!r}; valid choices are "
+                             "'mxfp8_rceil'.")
+        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) \
+                or self.pad_multiple <= 0 or self.pad_multiple % 32:
+            raise ValueError(f"{where}.pad_multiple: expected a positive multiple of 32 (MXFP8's block), "
+                             f"got {self.pad_multiple!r}.")
 
 
 @dataclass(kw_only=True)

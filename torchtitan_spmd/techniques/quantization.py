@@ -65,6 +65,7 @@ __all__ = [
     "MXFP8Linear",
     "bind_float8_shards",
     "bind_mxfp8_shards",
+    "is_mxfp8_experts",
     "has_cuda_capability",
     "import_torchao_float8",
 ]
@@ -615,15 +616,21 @@ class MXFP8LinearConverter(QuantizationConverter):
 
 def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) -> int:
     """Tell each MXFP8 linear how the plan sharded its weight over ``tp`` (``tp``: the degree; 1
-    without tensor parallelism), after checking that the shard splits no block of 32 (ValueError,
-    one line naming the linears); the number of MXFP8 linears whose weight is sharded over ``tp``."""
-    if MXFP8Linear is None:
-        return 0
+    without tensor parallelism), after checking that no shard, of a linear or of MXFP8 experts'
+    hidden dim, splits a block of 32 (ValueError, one line naming them all); the number of MXFP8
+    linears whose weight is sharded over ``tp``."""
     from torchtitan_spmd.distributed.apply_plan import plain_fqn
 
     bound, split = 0, []
     for fqn, module in model.named_modules():
-        if not isinstance(module, MXFP8Linear):
+        if is_mxfp8_experts(module) and tp > 1:
+            state = state_layouts.get(f"{plain_fqn(fqn)}.w1")
+            if state is not None and state.layout.shard_dims().get("tp") == 1:
+                hidden = module.mxfp8_hidden_dim
+                if hidden % (tp * MXFP8_BLOCK):
+                    split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
+            continue
+        if MXFP8Linear is None or not isinstance(module, MXFP8Linear):
             continue
         state = state_layouts.get(f"{plain_fqn(fqn)}.weight")
         dim = state.layout.shard_dims().get("tp") if state is not None and tp > 1 else None
@@ -634,10 +641,155 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
         module.tp_weight_shard_dim = dim
         bound += dim is not None
     if split:
-        raise ValueError(f"MXFP8LinearConverter: tensor parallelism splits MXFP8's blocks of {MXFP8_BLOCK} in "
-                         f"{', '.join(split)}: leave them out of MXFP8LinearConverter.Config.fqns or lower "
-                         "parallelism.tensor_parallel_degree.")
+        raise ValueError(f"MXFP8: tensor parallelism splits MXFP8's blocks of {MXFP8_BLOCK} in "
+                         f"{', '.join(split)}: leave them out of MXFP8LinearConverter.Config.fqns (experts: drop "
+                         "MXFP8GroupedExpertsConverter) or lower parallelism.tensor_parallel_degree.")
     return bound
+
+
+# ----------------------------------------------------------------------------- MXFP8 grouped experts
+def _padded_positions(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by expert, ``counts[e]`` of expert ``e``, each expert's group padded with zero rows
+    to a multiple of ``multiple``: ``(each row's index in the padded rows, the padded counts)``."""
+    padded = (counts + multiple - 1) // multiple * multiple
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    return torch.arange(expert.numel(), device=counts.device) + shift[expert], padded
+
+
+class _GroupedMXFP8Matmul(torch.autograd.Function):
+    """Rows ``a`` ``[M, K]`` grouped by expert (groups ending at ``offs``) times their experts'
+    ``weight_t`` ``[E, K, N]``, in MXFP8: torchao's ``_MXFP8GroupedMM`` (its forward and backward:
+    RCEIL scales, products in bfloat16, as upstream's ``mxfp8_rceil``), with the type rule
+    ``spmd_types``' checker needs (torchao's Function has none)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor,
+                kernel_preference: Any) -> torch.Tensor:
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        ctx.grouped = _MXFP8GroupedMM
+        return _MXFP8GroupedMM.forward(ctx, a, weight_t, offs, torch.bfloat16, kernel_preference, False,
+                                       ScaleCalculationMode.RCEIL, False)
+
+    @staticmethod
+    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any) -> Any:
+        """Each row through one expert's matmul: the types of ``a @ weight_t[e]``. ``offs`` only
+        groups ``a``'s rows: where ``a`` is the same on every rank of an axis (R or I), its
+        grouping must be too, or the ranks' outputs would differ under a type that says not."""
+        from spmd_types import SpmdTypeError, rules
+
+        rows, groups = rules.get_local_type(a), rules.get_local_type(offs)
+        for axis, typ in rows.items():
+            if typ in (rules.R, rules.I) and groups.get(axis, typ) not in (rules.R, rules.I):
+                raise SpmdTypeError(f"MXFP8 grouped experts: the rows are {typ} on {axis} but their expert "
+                                    f"offsets are {groups[axis]}: each rank would group the same rows apart.")
+        rules.ignore(offs)
+        return rules.einsum("mk,ekn->mn", a, weight_t)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad_a, grad_weight_t, *_ = ctx.grouped.backward(ctx, grad_output.contiguous())
+        return grad_a, grad_weight_t, None, None
+
+
+def _mxfp8_grouped_mm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, kernel_preference: Any) -> torch.Tensor:
+    """``a``'s row groups (ending at ``offs``) through their experts' ``weight`` ``[E, out, in]``
+    (nn.Linear's layout) in MXFP8 (:class:`_GroupedMXFP8Matmul`), the result in ``a``'s dtype."""
+    return _GroupedMXFP8Matmul.apply(a, weight.transpose(-2, -1), offs, kernel_preference).to(a.dtype)
+
+
+_MXFP8_EXPERTS: dict[type, type] = {}
+
+
+def _mxfp8_experts_class(base: type[nn.Module]) -> type[nn.Module]:
+    """The MXFP8 subclass of grouped-experts class ``base`` (cached): its grouped GEMMs in MXFP8."""
+    if base in _MXFP8_EXPERTS:
+        return _MXFP8_EXPERTS[base]
+
+    class MXFP8GroupedExperts(base):  # type: ignore[valid-type, misc]
+        """``base``'s experts with their three grouped GEMMs in MXFP8 (torchao), on this rank's
+        experts and tokens: each expert's rows padded with zeros to ``mxfp8_pad_multiple`` (a
+        block of 32 along the tokens never mixes two experts), the padding dropped after.
+        Nothing is reduced across ranks: under expert parallelism each expert is whole on its
+        rank, and a tensor-parallel shard of the hidden dim splits no block (checked by
+        :func:`bind_mxfp8_shards`)."""
+
+        mxfp8_kernel_preference: Any = None
+        mxfp8_pad_multiple: int = MXFP8_BLOCK
+        mxfp8_hidden_dim: int = 0  # the experts' global hidden dim (bind_mxfp8_shards' check)
+
+        def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
+            from torchtitan_spmd.models.moe import local_weight
+
+            if x.shape[0] == 0:  # no rows here (expert parallelism): nothing to quantize
+                return super().expert_outputs(x, counts, grouped=False)
+            w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
+            where, padded = _padded_positions(counts.to(torch.long), self.mxfp8_pad_multiple)
+            rows = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, where, x)
+            offs = torch.cumsum(padded, 0, dtype=torch.int32)
+            pref = self.mxfp8_kernel_preference
+            h = torch.nn.functional.silu(_mxfp8_grouped_mm(rows, w1, offs, pref)) * _mxfp8_grouped_mm(rows, w3, offs, pref)
+            return _mxfp8_grouped_mm(h, w2, offs, pref)[where]
+
+    MXFP8GroupedExperts.__name__ = MXFP8GroupedExperts.__qualname__ = f"MXFP8{base.__name__}"
+    MXFP8GroupedExperts.__module__ = __name__
+    _MXFP8_EXPERTS[base] = MXFP8GroupedExperts
+    return MXFP8GroupedExperts
+
+
+def is_mxfp8_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is grouped experts converted by :class:`MXFP8GroupedExpertsConverter`."""
+    return type(module) in _MXFP8_EXPERTS.values()
+
+
+class MXFP8GroupedExpertsConverter(QuantizationConverter):
+    """Upstream's ``MXFP8GroupedExpertsConverter``: the MoE experts' grouped GEMMs in MXFP8
+    (torchao's ``_to_mxfp8_then_scaled_grouped_mm``, recipe ``mxfp8_rceil``), each expert's tokens
+    padded to ``pad_multiple``.
+
+    Checks at construction, each a one-line error: torchao installed (the ``float8`` extra), and a
+    GPU of compute capability 10.0+ unless ``emulate=True`` (not upstream's: torchao's emulated
+    grouped GEMMs, eager, any device). Experts whose dim or hidden dim is no multiple of 32 are a
+    setup error naming them. Where upstream swaps the token dispatcher for one that pads, the
+    experts pad their own groups here (the same rows reach the GEMMs).
+    """
+
+    Config: ClassVar[type[MXFP8GroupedExpertsConverterConfig]] = MXFP8GroupedExpertsConverterConfig
+
+    def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        if config.emulate and config.model_compile_enabled:
+            raise ValueError("MXFP8GroupedExpertsConverter.Config: emulate=True is for eager mode; it does not run "
+                             "with model_compile_enabled=True (compile.enable with 'model' in compile.components).")
+        if not config.emulate:
+            _needs_sm("MXFP8GroupedExpertsConverter", 10, 0,
+                      "MXFP8 grouped GEMMs (emulate=True runs anywhere, in eager mode)")
+        self.kernel_preference = KernelPreference.EMULATED if config.emulate else KernelPreference.AUTO
+
+    def convert(self, model: nn.Module) -> list[str]:
+        from torchtitan_spmd.models.moe import GroupedExperts
+
+        converted = []
+        for fqn, module in model.named_modules():
+            if not isinstance(module, GroupedExperts):
+                continue
+            hidden, dim = module.w1.shape[1], module.w1.shape[2]
+            if dim % MXFP8_BLOCK or hidden % MXFP8_BLOCK:
+                raise ValueError(f"MXFP8GroupedExpertsConverter: {fqn} has dim {dim} and hidden dim {hidden}; "
+                                 f"MXFP8 needs both multiples of {MXFP8_BLOCK}.")
+            module.__class__ = _mxfp8_experts_class(type(module))
+            module.mxfp8_kernel_preference = self.kernel_preference
+            module.mxfp8_pad_multiple = self.config.pad_multiple
+            module.mxfp8_hidden_dim = hidden
+            converted.append(fqn)
+        if not converted:
+            raise ValueError("MXFP8GroupedExpertsConverter: the model has no MoE experts to convert.")
+        return converted
 
 
 # ----------------------------------------------------------------------------- needing newer GPUs
@@ -671,10 +823,7 @@ _NEWER_GPU = (
      ("float8 MoE training", (8, 9), "float8 grouped GEMMs (not emulated)",
       "float8 grouped GEMMs of the experts are not built in this library yet (the dense linears are: "
       "Float8LinearConverter)")),
-    ("MXFP8GroupedExpertsConverter", MXFP8GroupedExpertsConverterConfig,
-     ("MXFP8 MoE training", (10, 0), "MXFP8 grouped GEMMs", "MXFP8 grouped GEMMs are not built in this library yet")),
     ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
      ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
 )
-Float8GroupedExpertsConverter, MXFP8GroupedExpertsConverter, NVFP4LinearConverter = (
-    _needing_newer_gpu(*row) for row in _NEWER_GPU)
+Float8GroupedExpertsConverter, NVFP4LinearConverter = (_needing_newer_gpu(*row) for row in _NEWER_GPU)
