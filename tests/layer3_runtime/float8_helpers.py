@@ -27,12 +27,14 @@ from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.config.converters import (
     Float8LinearConverterConfig,
     LoRAConverterConfig,
+    MXFP8GroupedExpertsConverterConfig,
     MXFP8LinearConverterConfig,
 )
 from torchtitan_spmd.launcher import run_forked
 
-__all__ = ["EP2", "F8_STEPS", "F8_TOL", "LORA", "MODELS", "PARALLELISM", "check_float8_parity", "check_lora",
-           "float8_job", "run_trainer", "torchao_mxfp8", "torchao_reference"]
+__all__ = ["EP2", "F8_STEPS", "F8_TOL", "LORA", "MODELS", "MX_EXPERTS_SHARDED_TOL", "PARALLELISM", "check_float8_parity", "check_lora",
+           "float8_job", "run_trainer", "torchao_mxfp8", "torchao_mxfp8_experts",
+           "torchao_reference"]
 
 PARALLELISM: dict[str, Any] = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}
 F8_STEPS = 3
@@ -139,6 +141,35 @@ def torchao_mxfp8(model: torch.nn.Module, skip: tuple[str, ...]) -> int:
     return swapped
 
 
+def torchao_mxfp8_experts(model: torch.nn.Module) -> int:
+    """Every grouped-experts module of ``model`` computing its three grouped GEMMs with torchao's own
+    ``_quantize_then_scaled_grouped_mm`` (recipe ``mxfp8_emulated_rceil``, torchao padding each
+    expert's group itself, products in bfloat16); how many."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+
+    config = dataclasses.replace(MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
+                                 out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=True)
+
+    def expert_outputs(experts: Any, x: torch.Tensor, counts: torch.Tensor, **_: Any) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _quantize_then_scaled_grouped_mm(a, w.transpose(-2, -1), config=config, offs=offs).to(a.dtype)
+
+        return mm(F.silu(mm(x, experts.w1)) * mm(x, experts.w3), experts.w2)
+
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ == "GroupedExperts":
+            module.expert_outputs = functools.partial(expert_outputs, module)
+            swapped += 1
+    return swapped
+
+
 @functools.cache
 def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = (),
                       rows: int = LOCAL_BATCH, cp: int = 1, model_name: str = "llama3",
@@ -158,7 +189,11 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
     seed, vocab = cfg.debug.seed, build_tokenizer(None).model_vocab_size
     model = get_model_spec(model_name).build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
                                                          max_seq_len=cfg.training.seq_len)
-    if recipe == "mxfp8":
+    if recipe == "mxfp8_experts":  # the linears stay in high precision
+        assert torchao_mxfp8_experts(model) == 2, "the tiny MoE's two blocks' experts"
+        n_float8 = MODELS[model_name][1] - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1
+                                               for s in skip)
+    elif recipe == "mxfp8":
         n_float8 = torchao_mxfp8(model, skip)
     else:
         import torchao.float8 as f8
@@ -367,13 +402,25 @@ F8_TOL = 1e-5
 #: flip has been carried, matches to 5e-7 per tensor.
 MX_LATER_TOL = 1e-3
 
+#: Relative tolerance of the MXFP8 experts' cells whose experts are sharded (tensor or expert
+#: parallelism), every tensor's gradient included; unsharded (FSDP 4) they are held to :data:`F8_TOL`
+#: (measured 1.1e-6). The emulated grouped GEMMs return bfloat16 (torchao, as on the GPU):
+#: - TP: each rank's ``w2`` product is a partial sum over the hidden dim, rounded to bfloat16 before
+#:   the sum over tp, where the judge rounds the whole sum once: 2^-9 relative per element at most;
+#:   measured 8.9e-4 (the router's gate);
+#: - EP: an expert's tokens from two ranks share blocks of 32 along the tokens in the weight
+#:   gradient (the judge blocks each rank's tokens apart): other scales, other underflows to
+#:   zero; measured 1.2e-4.
+#: The experts left in high precision (the plant) miss by 8.5e-3 to 1.4e-2 in every cell.
+MX_EXPERTS_SHARDED_TOL = 2e-3
+
 #: The LoRA of the tests: rank 4 on upstream's recipe's targets (``wkv``: ``wk`` and ``wv``).
 LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"])
 
 
 def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
                         rows: int = LOCAL_BATCH, ac: str = "none", model: str = "llama3", mxfp8: bool = False,
-                        **debug: Any) -> None:
+                        experts: bool = False, tol: float = F8_TOL, **debug: Any) -> None:
     """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
     on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
     The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
@@ -388,23 +435,25 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
     converter: Any = Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))
     if mxfp8:
         converter = MXFP8LinearConverterConfig(emulate=True, fqns=[n for n in MXFP8_NAMES if n not in skip])
+    if experts:
+        converter = MXFP8GroupedExpertsConverterConfig(emulate=True)
     cfg = float8_job(backend, [converter], parallelism=parallelism, ac=ac, model=model, **debug)
     outs, trace = run_trainer(cfg)
     degrees = parallelism or PARALLELISM
     dp = degrees.get("data_parallel_replicate_degree", 1) * degrees.get("data_parallel_shard_degree", 1)
-    ref, ref_norms = torchao_reference("mxfp8" if mxfp8 else "rowwise", dp, skip=skip, rows=rows,
+    ref, ref_norms = torchao_reference("mxfp8_experts" if experts else "mxfp8" if mxfp8 else "rowwise", dp, skip=skip, rows=rows,
                                       cp=degrees.get("context_parallel_degree", 1), model_name=model)
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
-        tol = F8_TOL if step == 1 or not mxfp8 else MX_LATER_TOL
-        assert loss == pytest.approx(want_loss, rel=tol), (cell, step, got, ref)
-        assert norm == pytest.approx(want_norm, rel=tol), (cell, step, got, ref)
+        rel = tol if step == 1 or not (mxfp8 or experts) else max(tol, MX_LATER_TOL)
+        assert loss == pytest.approx(want_loss, rel=rel), (cell, step, got, ref)
+        assert norm == pytest.approx(want_norm, rel=rel), (cell, step, got, ref)
     want = dict(ref_norms)
     assert set(trace.grad_norms) == set(want)
     worst = max(abs(v - want[k]) / want[k] for k, v in trace.grad_norms.items())
     print(f"\n{cell}: loss {got[-1][0]:.6f} vs torchao {ref[-1][0]:.6f}; per-tensor grad norms max rel {worst:.1e}")
     for name, value in trace.grad_norms.items():
-        assert value == pytest.approx(want[name], rel=F8_TOL), (cell, name, value, want[name])
+        assert value == pytest.approx(want[name], rel=tol), (cell, name, value, want[name])
 
 
 def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, parallelism: dict[str, Any] | None = None,

@@ -54,6 +54,20 @@ def test_mxfp8_type_checked_matches_torchaos_single_process_model() -> None:
                         spmd_typechecking=True)
 
 
+@pytest.mark.parametrize("cell", ["fsdp4", "fsdp2_tp2"])
+def test_mxfp8_experts_type_checked_match_torchaos_single_process_model(cell: str) -> None:
+    """The tiny MoE's experts in MXFP8 (emulated), type-checked: the grouped GEMM typed as each row's
+    expert matmul (under TP, ``w2``'s product a pending sum over tp the checker follows), against
+    the same MoE on one process calling torchao's own MXFP8 grouped GEMM (tolerances: layer 3)."""
+    from float8_helpers import F8_TOL, MX_EXPERTS_SHARDED_TOL
+
+    parallelism = ({"data_parallel_shard_degree": 4} if cell == "fsdp4" else
+                   {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2})
+    check_float8_parity(f"spmd_types-{cell}-mxfp8_experts-typechecked", "spmd_types", (), parallelism,
+                        model="qwen3", experts=True, tol=F8_TOL if cell == "fsdp4" else MX_EXPERTS_SHARDED_TOL,
+                        spmd_typechecking=True)
+
+
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
     """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
     adapters' pending sum over tp goes through a matmul the checker knows to be linear."""
