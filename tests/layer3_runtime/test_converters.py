@@ -373,6 +373,10 @@ def test_mxfp8_experts_convert_and_refuse_in_one_line() -> None:
     done = convert_model(model, build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True)]))
     assert done == {"MXFP8GroupedExpertsConverter": ["layers.0.moe.experts", "layers.1.moe.experts"]}
     assert type(model.get_submodule("layers.1.moe.experts")).__name__ == "MXFP8GroupedExperts"
+    from torchtitan_spmd.techniques.converters import converted_counts
+
+    counts = converted_counts(model)
+    assert counts["mxfp8_experts"] == 2 and counts["mxfp8_expert_weight_numel"] == 2 * 3 * 8 * 64 * 64
     for bad, text in ((MXFP8GroupedExpertsConverterConfig(pad_multiple=48), "pad_multiple: expected a positive "
                        "multiple of 32"),
                       (MXFP8GroupedExpertsConverterConfig(recipe_name="mxfp8_floor"), "recipe_name: invalid value")):
