@@ -142,6 +142,19 @@ def _needs_sm(converter: str, major: int, minor: int, what: str) -> None:
                          f"{_device_description()}.")
 
 
+def _check_emulation(converter: str, config: Any, capability: tuple[int, int], what: str) -> Any:
+    """A converter's ``emulate`` checked (one line each): not with compile; without it, the GPU of
+    ``capability`` for ``what``. torchao's kernel preference for it (``EMULATED`` or ``AUTO``)."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if config.emulate and config.model_compile_enabled:
+        raise ValueError(f"{converter}.Config: emulate=True is for eager mode; it does not run with "
+                         "model_compile_enabled=True (compile.enable with 'model' in compile.components).")
+    if not config.emulate:
+        _needs_sm(converter, *capability, f"{what} (emulate=True runs anywhere, in eager mode)")
+    return KernelPreference.EMULATED if config.emulate else KernelPreference.AUTO
+
+
 def _device_description() -> str:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
@@ -194,16 +207,9 @@ def _float8_linear_class() -> type[nn.Module]:
         amax_reduce: Callable[..., torch.Tensor] | None = None
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            from torch.distributed.tensor import DTensor
-
             if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast dtype
                 input = input.to(torch.get_autocast_gpu_dtype())
-            if isinstance(self.weight, DTensor):
-                return _dtensor_forward(self, input, self._local_mm)
-            out = self._local_mm(input, self.weight, self.tp_weight_shard_dim)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-            return out
+            return _local_shard_forward(self, input)
 
         def _local_mm(self, input: torch.Tensor, weight: torch.Tensor, sharded: int | None) -> torch.Tensor:
             return sharded_float8_matmul(input, weight.t(), self.linear_mm_config, self.config,
@@ -218,6 +224,20 @@ def _float8_linear_class() -> type[nn.Module]:
 
 #: The float8 linear class (torchao's subclass); None until first use or without torchao.
 Float8Linear: Any = None
+
+
+def _local_shard_forward(module: Any, input: torch.Tensor) -> torch.Tensor:
+    """A quantized linear's forward (float8, MXFP8): its ``_local_mm(input, weight, tp shard dim of
+    the weight)`` on plain tensors, or on DTensors' local shards (:func:`_dtensor_forward`), plus
+    the bias."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(module.weight, DTensor):
+        return _dtensor_forward(module, input, module._local_mm)
+    out = module._local_mm(input, module.weight, module.tp_weight_shard_dim)
+    if module.bias is not None:
+        out = out + module.bias.to(out.dtype)
+    return out
 
 
 def _dtensor_forward(module: Any, input: Any,
@@ -394,11 +414,7 @@ class Float8LinearConverter(QuantizationConverter):
     def __init__(self, config: Float8LinearConverterConfig) -> None:
         super().__init__(config)
         float8 = import_torchao_float8("Float8LinearConverter (float8 training)")
-        if config.emulate and config.model_compile_enabled:
-            raise ValueError("Float8LinearConverter.Config: emulate=True is for eager mode; it does not run with "
-                             "model_compile_enabled=True (compile.enable with 'model' in compile.components).")
-        if not config.emulate:
-            _needs_sm("Float8LinearConverter", 8, 9, "float8 matmuls (emulate=True runs anywhere, in eager mode)")
+        _check_emulation("Float8LinearConverter", config, (8, 9), "float8 matmuls")
         self.torchao_config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(config.recipe_name),
                                                   emulate=config.emulate)
         self.filter_fqns = expand_upstream_names(list(config.filter_fqns))
@@ -523,14 +539,7 @@ def _mxfp8_linear_class() -> type[nn.Module]:
         tp_weight_shard_dim: int | None = None
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            from torch.distributed.tensor import DTensor
-
-            if isinstance(self.weight, DTensor):
-                return _dtensor_forward(self, input, self._local_mm)
-            out = self._local_mm(input, self.weight, self.tp_weight_shard_dim)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-            return out
+            return _local_shard_forward(self, input)
 
         def _local_mm(self, input: torch.Tensor, weight: torch.Tensor, sharded: int | None) -> torch.Tensor:
             tokens = input.numel() // input.shape[-1]
@@ -568,14 +577,7 @@ class MXFP8LinearConverter(QuantizationConverter):
     def __init__(self, config: MXFP8LinearConverterConfig) -> None:
         super().__init__(config)
         _import_torchao_mxfp8("MXFP8LinearConverter (MXFP8 training)")
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        if config.emulate and config.model_compile_enabled:
-            raise ValueError("MXFP8LinearConverter.Config: emulate=True is for eager mode; it does not run with "
-                             "model_compile_enabled=True (compile.enable with 'model' in compile.components).")
-        if not config.emulate:
-            _needs_sm("MXFP8LinearConverter", 10, 0, "MXFP8 matmuls (emulate=True runs anywhere, in eager mode)")
-        self.kernel_preference = KernelPreference.EMULATED if config.emulate else KernelPreference.AUTO
+        self.kernel_preference = _check_emulation("MXFP8LinearConverter", config, (10, 0), "MXFP8 matmuls")
         self.fqns = expand_upstream_names(list(config.fqns))
 
     def keeps(self, fqn: str, module: nn.Module) -> bool:
@@ -761,15 +763,8 @@ class MXFP8GroupedExpertsConverter(QuantizationConverter):
     def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
         super().__init__(config)
         import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        if config.emulate and config.model_compile_enabled:
-            raise ValueError("MXFP8GroupedExpertsConverter.Config: emulate=True is for eager mode; it does not run "
-                             "with model_compile_enabled=True (compile.enable with 'model' in compile.components).")
-        if not config.emulate:
-            _needs_sm("MXFP8GroupedExpertsConverter", 10, 0,
-                      "MXFP8 grouped GEMMs (emulate=True runs anywhere, in eager mode)")
-        self.kernel_preference = KernelPreference.EMULATED if config.emulate else KernelPreference.AUTO
+        self.kernel_preference = _check_emulation("MXFP8GroupedExpertsConverter", config, (10, 0),
+                                                  "MXFP8 grouped GEMMs")
 
     def convert(self, model: nn.Module) -> list[str]:
         from torchtitan_spmd.models.moe import GroupedExperts
