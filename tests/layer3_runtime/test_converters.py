@@ -135,6 +135,23 @@ def test_hardware_converters_are_one_line_naming_the_capability(config: str, cap
     assert capability in _one_line(err.value) and config in str(err.value)
 
 
+def test_compiled_rowwise_float8_has_inductor_round_casts_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's workaround for pytorch/pytorch#150859, where a compiled rowwise float8 run needs it
+    (the GPU's path; built here as the dry run builds it), and nowhere else."""
+    import torch._inductor.config as inductor_config
+
+    from torchtitan_spmd.techniques.quantization import hardware_checks_off
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
+    build_converters([Float8LinearConverterConfig(emulate=True)])
+    with hardware_checks_off():
+        build_converters([Float8LinearConverterConfig(recipe_name="rowwise_with_gw_hp", model_compile_enabled=True)])
+    assert inductor_config.emulate_precision_casts is False
+    with hardware_checks_off():
+        build_converters([Float8LinearConverterConfig(model_compile_enabled=True)])
+    assert inductor_config.emulate_precision_casts is True
+
+
 def test_a_hardware_recipe_stops_at_setup(tmp_path: Any) -> None:
     from torchtitan_spmd.train import validate_job
 

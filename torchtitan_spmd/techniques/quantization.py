@@ -418,6 +418,12 @@ class Float8LinearConverter(QuantizationConverter):
         self.torchao_config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(config.recipe_name),
                                                   emulate=config.emulate)
         self.filter_fqns = expand_upstream_names(list(config.filter_fqns))
+        if config.recipe_name == "rowwise" and config.model_compile_enabled:
+            # as upstream: inductor rounds the rowwise casts as eager does (pytorch/pytorch#150859).
+            # Compiled runs only: the flag is process-wide, and eager code never reads it.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
 
     def keeps(self, fqn: str, module: nn.Module) -> bool:
         """Whether the linear ``fqn`` is converted: every dim divisible by 16, no filter name in its FQN."""
