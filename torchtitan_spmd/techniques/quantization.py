@@ -255,7 +255,7 @@ def _dtensor_forward(module: Any, input: Any,
 
     weight, mesh = module.weight, module.weight.device_mesh
     if not isinstance(input, DTensor):
-        raise RuntimeError("Float8Linear: a DTensor weight needs a DTensor input (full_dtensor).")
+        raise RuntimeError(f"{type(module).__name__}: a DTensor weight needs a DTensor input (full_dtensor).")
     names = mesh.mesh_dim_names or ()
     sharded = module.tp_weight_shard_dim
     tp = names.index("tp") if sharded is not None and "tp" in names else None
