@@ -116,7 +116,7 @@ def _per_cp_rank(model: torch.nn.Module, cp: int) -> int:
     """Make every float8 linear of ``model`` see each CP rank's tokens on their own; how many."""
     wrapped = 0
     for module in model.modules():
-        if type(module).__name__ == "Float8Linear":
+        if type(module).__name__ in ("Float8Linear", "MXFP8Linear"):
             module.forward = functools.partial(_tokens_per_cp_rank, module.forward, cp)
             wrapped += 1
     return wrapped
