@@ -135,21 +135,24 @@ def test_hardware_converters_are_one_line_naming_the_capability(config: str, cap
     assert capability in _one_line(err.value) and config in str(err.value)
 
 
-def test_compiled_rowwise_float8_has_inductor_round_casts_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_rowwise_float8_has_inductor_round_casts_as_eager() -> None:
     """Upstream's workaround for pytorch/pytorch#150859, where a compiled rowwise float8 run needs it
-    (the GPU's path; built here as the dry run builds it), and nowhere else."""
+    (the GPU's path; built here as the dry run builds it), and nowhere else. (torch's own ``patch``
+    restores the flag: pytest's monkeypatch deletes a config module's entry on undo.)"""
     import torch._inductor.config as inductor_config
 
     from torchtitan_spmd.techniques.quantization import hardware_checks_off
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
-    build_converters([Float8LinearConverterConfig(emulate=True)])
-    with hardware_checks_off():
-        build_converters([Float8LinearConverterConfig(recipe_name="rowwise_with_gw_hp", model_compile_enabled=True)])
-    assert inductor_config.emulate_precision_casts is False
-    with hardware_checks_off():
-        build_converters([Float8LinearConverterConfig(model_compile_enabled=True)])
-    assert inductor_config.emulate_precision_casts is True
+    with inductor_config.patch(emulate_precision_casts=False):
+        build_converters([Float8LinearConverterConfig(emulate=True)])
+        with hardware_checks_off():
+            build_converters([Float8LinearConverterConfig(recipe_name="rowwise_with_gw_hp",
+                                                          model_compile_enabled=True)])
+        assert inductor_config.emulate_precision_casts is False
+        with hardware_checks_off():
+            build_converters([Float8LinearConverterConfig(model_compile_enabled=True)])
+        assert inductor_config.emulate_precision_casts is True
+    assert inductor_config.emulate_precision_casts is False  # torch's default, restored
 
 
 def test_a_hardware_recipe_stops_at_setup(tmp_path: Any) -> None:
@@ -581,6 +584,28 @@ def test_adapters_only_over_a_dcp_base_is_a_setup_error() -> None:
         CheckpointConfig(lora_adapters_only=True, initial_load_path="/seed/step-0")
     _one_line(err.value)
     CheckpointConfig(lora_adapters_only=True, initial_load_path="/hf", initial_load_in_hf=True)
+
+
+def test_a_fresh_process_building_every_emulated_converter_logs_no_enum_warning() -> None:
+    """Every torchao module the converters import first is imported inside the quiet context: a
+    fresh interpreter that builds float8, MXFP8 and MXFP8 experts converters, converts the tiny
+    MoE and runs a step logs no ``Enum subclass`` warning."""
+    import subprocess
+
+    code = (
+        "import torch\n"
+        "from torchtitan_spmd.config.converters import (Float8LinearConverterConfig as F,\n"
+        "    MXFP8LinearConverterConfig as M, MXFP8GroupedExpertsConverterConfig as E)\n"
+        "from torchtitan_spmd.models import get_model_spec\n"
+        "from torchtitan_spmd.techniques.converters import build_converters, convert_model\n"
+        "for convs in ([E(emulate=True)], [M(emulate=True)], [F(emulate=True)]):\n"
+        "    m = get_model_spec('qwen3').build_initialized('moe_tiny', seed=0, vocab_size=320, max_seq_len=64)\n"
+        "    convert_model(m, build_converters(convs))\n"
+        "    m(torch.randint(0, 320, (2, 32))).sum().backward()\n"
+        "print('done')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
+    assert "is an Enum subclass" not in done.stderr, done.stderr[-2000:]
 
 
 def test_importing_torchao_drops_only_torchs_enum_warning(caplog: pytest.LogCaptureFixture) -> None:

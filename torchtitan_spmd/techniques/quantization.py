@@ -145,7 +145,8 @@ def _needs_sm(converter: str, major: int, minor: int, what: str) -> None:
 def _check_emulation(converter: str, config: Any, capability: tuple[int, int], what: str) -> Any:
     """A converter's ``emulate`` checked (one line each): not with compile; without it, the GPU of
     ``capability`` for ``what``. torchao's kernel preference for it (``EMULATED`` or ``AUTO``)."""
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    with _quiet_torchao_enum_warning():  # its first import registers the enum (see import_torchao_float8)
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     if config.emulate and config.model_compile_enabled:
         raise ValueError(f"{converter}.Config: emulate=True is for eager mode; it does not run with "
@@ -768,6 +769,8 @@ class MXFP8GroupedExpertsConverter(QuantizationConverter):
     def __init__(self, config: MXFP8GroupedExpertsConverterConfig) -> None:
         super().__init__(config)
         import_torchao_float8("MXFP8GroupedExpertsConverter (MXFP8 MoE training)")
+        with _quiet_torchao_enum_warning():  # the grouped GEMM's module, imported once, quietly
+            import torchao.prototype.moe_training.mxfp8_grouped_mm  # noqa: F401
         self.kernel_preference = _check_emulation("MXFP8GroupedExpertsConverter", config, (10, 0),
                                                   "MXFP8 grouped GEMMs")
 
