@@ -57,6 +57,11 @@ class QuantizationConverterConfig(ModelConfigConverterConfig):
     ``compile.enable and "model" in compile.components``)."""
 
 
+def _is_positive_int(value: Any) -> bool:
+    """Whether ``value`` is an int above zero (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _check_str_list(where: str, value: Any) -> None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"{where}: expected a list of str, got {value!r}.")
@@ -136,8 +141,7 @@ class MXFP8GroupedExpertsConverterConfig(QuantizationConverterConfig):
         if self.recipe_name != "mxfp8_rceil":
             raise ValueError(f"{where}.recipe_name: invalid value {self.recipe_name!r}; valid choices are "
                              "'mxfp8_rceil'.")
-        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) \
-                or self.pad_multiple <= 0 or self.pad_multiple % 32:
+        if not _is_positive_int(self.pad_multiple) or self.pad_multiple % 32:
             raise ValueError(f"{where}.pad_multiple: expected a positive multiple of 32 (MXFP8's block), "
                              f"got {self.pad_multiple!r}.")
 
@@ -169,7 +173,7 @@ class LoRAConverterConfig(ModelConfigConverterConfig):
     ``wkv`` names ``wk`` and ``wv``, ``lm_head`` names ``output``). None: every linear."""
 
     def check(self, where: str) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+        if not _is_positive_int(self.rank):
             raise ValueError(f"{where}.rank: LoRA rank must be a positive int, got {self.rank!r}.")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
             raise TypeError(f"{where}.alpha: expected a number, got {self.alpha!r}.")

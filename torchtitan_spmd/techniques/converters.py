@@ -95,30 +95,26 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
 def converted_counts(model: nn.Module) -> dict[str, int]:
     """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8
     and MXFP8 linears, MXFP8 grouped experts, and their weights' elements (kept in high precision:
-    torchao's dynamic scaling stores no scales, it computes them each step), LoRA's adapter elements, and the frozen parameters'
-    elements and bytes (no gradient, no optimizer state). Empty for an unconverted model."""
+    torchao's dynamic scaling stores no scales, it computes them each step), LoRA's adapter
+    elements, and the frozen parameters' elements and bytes (no gradient, no optimizer state).
+    Empty for an unconverted model."""
     from torch.distributed.tensor import DTensor
 
     def local(p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if isinstance(p, DTensor) else p
 
     out: dict[str, int] = {}
-    cls = quantization.Float8Linear
-    float8 = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
-    if float8:
-        out["float8_linears"] = len(float8)
-        out["float8_weight_numel"] = sum(local(m.weight).numel() for m in float8)
-        out["float8_stored_scales"] = 0
-    mxfp8 = [m for m in model.modules() if quantization.MXFP8Linear is not None
-             and isinstance(m, quantization.MXFP8Linear)]
-    if mxfp8:
-        out["mxfp8_linears"] = len(mxfp8)
-        out["mxfp8_weight_numel"] = sum(local(m.weight).numel() for m in mxfp8)
-        out["mxfp8_stored_scales"] = 0
+    for kind, cls in (("float8", quantization.Float8Linear), ("mxfp8", quantization.MXFP8Linear)):
+        linears = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+        if linears:
+            out[f"{kind}_linears"] = len(linears)
+            out[f"{kind}_weight_numel"] = sum(local(m.weight).numel() for m in linears)
+            out[f"{kind}_stored_scales"] = 0
     experts = [m for m in model.modules() if quantization.is_mxfp8_experts(m)]
     if experts:
         out["mxfp8_experts"] = len(experts)
-        out["mxfp8_expert_weight_numel"] = sum(local(getattr(m, w)).numel() for m in experts for w in ("w1", "w2", "w3"))
+        out["mxfp8_expert_weight_numel"] = sum(local(getattr(m, w)).numel() for m in experts
+                                               for w in ("w1", "w2", "w3"))
     adapters = [getattr(m, a) for m in model.modules() if lora.is_lora(m) for a in lora.ADAPTERS]
     if adapters:
         out["lora_adapter_numel"] = sum(local(p).numel() for p in adapters)

@@ -452,6 +452,15 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
+def _tp_shard_dim(state_layouts: dict[str, Any], fqn: str, param: str) -> int | None:
+    """The dim of module ``fqn``'s parameter ``param`` that the plan shards over ``tp`` (from
+    ``state_layouts``, the plan's layouts by name), or None."""
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+    state = state_layouts.get(f"{plain_fqn(fqn)}.{param}")
+    return None if state is None else state.layout.shard_dims().get("tp")
+
+
 def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
                        amax_reduce: Callable[..., torch.Tensor] | None) -> int:
     """Tell each float8 linear how the plan sharded its weight over ``tp`` (from ``state_layouts``,
@@ -459,14 +468,11 @@ def bind_float8_shards(model: nn.Module, state_layouts: dict[str, Any],
     tensor parallelism); the number of float8 linears whose weight is sharded over ``tp``."""
     if Float8Linear is None:
         return 0
-    from torchtitan_spmd.distributed.apply_plan import plain_fqn
-
     bound = 0
     for fqn, module in model.named_modules():
         if not isinstance(module, Float8Linear):
             continue
-        state = state_layouts.get(f"{plain_fqn(fqn)}.weight")
-        dim = state.layout.shard_dims().get("tp") if state is not None and amax_reduce is not None else None
+        dim = _tp_shard_dim(state_layouts, fqn, "weight") if amax_reduce is not None else None
         module.tp_weight_shard_dim = dim
         module.amax_reduce = amax_reduce if dim is not None else None
         bound += dim is not None
@@ -500,12 +506,13 @@ class _LocalMXFP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input_hp: torch.Tensor, weight_hp: torch.Tensor, kernel_preference: Any,
                 scale_mode: Any, wgrad_with_hp: bool) -> torch.Tensor:
+        # both loaded, quietly, with the class (_mxfp8_linear_class): dictionary lookups here
+        from torchao.prototype.moe_training.mxfp8_linear import mx_mm
         from torchao.prototype.mx_formats.config import (
             MXFP8Dim0CastKernelChoice,
             MXFP8Dim1CastKernelChoice,
         )
 
-        mx_mm = _import_torchao_mxfp8("MXFP8LinearConverter").mx_mm
         ctx.mx_mm = mx_mm
         e4m3 = torch.float8_e4m3fn  # as torchao's _to_mxfp8_then_scaled_mm: every operand e4m3, its kernels
         return mx_mm.forward(ctx, input_hp.contiguous(), weight_hp.contiguous(), e4m3, e4m3, e4m3, MXFP8_BLOCK,
@@ -631,17 +638,14 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
 
     bound, split = 0, []
     for fqn, module in model.named_modules():
-        if is_mxfp8_experts(module) and tp > 1:
-            state = state_layouts.get(f"{plain_fqn(fqn)}.w1")
-            if state is not None and state.layout.shard_dims().get("tp") == 1:
-                hidden = module.mxfp8_hidden_dim
-                if hidden % (tp * MXFP8_BLOCK):
-                    split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
+        if is_mxfp8_experts(module):  # w1's hidden dim (w2's and w3's are sharded alike)
+            hidden = module.mxfp8_hidden_dim
+            if tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1 and hidden % (tp * MXFP8_BLOCK):
+                split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
             continue
         if MXFP8Linear is None or not isinstance(module, MXFP8Linear):
             continue
-        state = state_layouts.get(f"{plain_fqn(fqn)}.weight")
-        dim = state.layout.shard_dims().get("tp") if state is not None and tp > 1 else None
+        dim = _tp_shard_dim(state_layouts, fqn, "weight") if tp > 1 else None
         if dim is not None:
             size = module.out_features if dim == 0 else module.in_features
             if size % (tp * MXFP8_BLOCK):
