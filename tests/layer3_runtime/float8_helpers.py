@@ -189,24 +189,23 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
     seed, vocab = cfg.debug.seed, build_tokenizer(None).model_vocab_size
     model = get_model_spec(model_name).build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
                                                          max_seq_len=cfg.training.seq_len)
-    if recipe == "mxfp8_experts":  # the linears stay in high precision
+    want = MODELS[model_name][1] - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1 for s in skip)
+    if recipe == "mxfp8_experts":  # the experts of the tiny MoE's two blocks; every linear stays as it is
         assert torchao_mxfp8_experts(model) == 2, "the tiny MoE's two blocks' experts"
-        n_float8 = MODELS[model_name][1] - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1
-                                               for s in skip)
+        want = 0
     elif recipe == "mxfp8":
-        n_float8 = torchao_mxfp8(model, skip)
+        torchao_mxfp8(model, skip)
     else:
         import torchao.float8 as f8
 
         config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
         f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: (
             m.in_features % 16 == 0 and m.out_features % 16 == 0 and fqn.rpartition(".")[2] not in skip))
-        n_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    n_float8 = sum(type(m).__name__ in ("Float8Linear", "MXFP8Linear") for m in model.modules())
     routers = [m for m in model.modules() if hasattr(m, "force_load_balance")]
     assert len(routers) == MODELS[model_name][2], routers
     for router in routers:
         router.force_load_balance = True
-    want = MODELS[model_name][1] - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1 for s in skip)
     assert n_float8 == want, f"torchao converted {n_float8} linears, expected {want}"
     if cp > 1:
         assert _per_cp_rank(model, cp) == n_float8
@@ -419,33 +418,33 @@ LORA = LoRAConverterConfig(rank=4, alpha=16.0, target_modules=["wq", "wkv", "wo"
 
 
 def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallelism: dict[str, Any] | None = None,
-                        rows: int = LOCAL_BATCH, ac: str = "none", model: str = "llama3", mxfp8: bool = False,
-                        experts: bool = False, tol: float = F8_TOL, **debug: Any) -> None:
+                        rows: int = LOCAL_BATCH, ac: str = "none", model: str = "llama3", recipe: str = "rowwise",
+                        tol: float = F8_TOL, **debug: Any) -> None:
     """FSDP 2 x TP 2, float8 rowwise emulated, 3 steps, against torchao's own ``Float8Linear`` model
     on one process: each step's loss and gradient norm, and every parameter's step-1 gradient norm.
     The scales a sharded matmul uses are the unsharded ones (reduced over tp where the recipe's
     axis is sharded), so only float32's summation order differs. ``model="qwen3"``: the tiny MoE,
     whose dense linears are float8 and whose experts stay in high precision (with EP: exchanged).
-    ``mxfp8=True``: MXFP8 (emulated) instead, its converter naming every linear but ``skip``, against
-    torchao's own ``MXFP8Linear`` model."""
+    ``recipe="mxfp8"``: MXFP8 (emulated) instead, its converter naming every linear but ``skip``,
+    against torchao's own ``MXFP8Linear`` model; ``"mxfp8_experts"``: the MoE's experts in MXFP8
+    (emulated), against the MoE whose experts call torchao's grouped GEMM (:func:`torchao_reference`).
+    After step 1 an MXFP8 run is held to ``MX_LATER_TOL`` at least; ``tol`` holds the rest."""
     if backend == "full_dtensor":
         from parity_helpers import skip_full_dtensor_on_old_torch
 
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    converter: Any = Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip))
-    if mxfp8:
-        converter = MXFP8LinearConverterConfig(emulate=True, fqns=[n for n in MXFP8_NAMES if n not in skip])
-    if experts:
-        converter = MXFP8GroupedExpertsConverterConfig(emulate=True)
+    converter = {"rowwise": Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip)),
+                 "mxfp8": MXFP8LinearConverterConfig(emulate=True, fqns=[n for n in MXFP8_NAMES if n not in skip]),
+                 "mxfp8_experts": MXFP8GroupedExpertsConverterConfig(emulate=True)}[recipe]
     cfg = float8_job(backend, [converter], parallelism=parallelism, ac=ac, model=model, **debug)
     outs, trace = run_trainer(cfg)
     degrees = parallelism or PARALLELISM
     dp = degrees.get("data_parallel_replicate_degree", 1) * degrees.get("data_parallel_shard_degree", 1)
-    ref, ref_norms = torchao_reference("mxfp8_experts" if experts else "mxfp8" if mxfp8 else "rowwise", dp, skip=skip, rows=rows,
-                                      cp=degrees.get("context_parallel_degree", 1), model_name=model)
+    ref, ref_norms = torchao_reference(recipe, dp, skip=skip, rows=rows, cp=degrees.get("context_parallel_degree", 1),
+                                      model_name=model)
     got = outs[0]["records"]
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, ref, strict=True), 1):
-        rel = tol if step == 1 or not (mxfp8 or experts) else max(tol, MX_LATER_TOL)
+        rel = tol if step == 1 or recipe == "rowwise" else max(tol, MX_LATER_TOL)
         assert loss == pytest.approx(want_loss, rel=rel), (cell, step, got, ref)
         assert norm == pytest.approx(want_norm, rel=rel), (cell, step, got, ref)
     want = dict(ref_norms)

@@ -394,7 +394,7 @@ def test_mxfp8_matches_torchaos_single_process_model(cell: str) -> None:
     shard, so every scale is the unsharded one with nothing reduced. spmd_types: layer 4,
     type-checked."""
     backend, skip, parallelism, rows = MX_CELLS[cell]
-    check_float8_parity(f"{cell}-mxfp8", backend, skip, parallelism, rows, mxfp8=True)
+    check_float8_parity(f"{cell}-mxfp8", backend, skip, parallelism, rows, recipe="mxfp8")
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -517,7 +517,7 @@ def test_mxfp8_experts_match_torchaos_single_process_model(cell: str) -> None:
     products (TP) or other token blocks (EP) where they are sharded (``MX_EXPERTS_SHARDED_TOL``).
     spmd_types: layer 4, type-checked."""
     backend, parallelism, tol = MX_EXPERT_CELLS[cell]
-    check_float8_parity(cell, backend, (), parallelism, model="qwen3", experts=True, tol=tol)
+    check_float8_parity(cell, backend, (), parallelism, model="qwen3", recipe="mxfp8_experts", tol=tol)
 
 
 # ----------------------------------------------------------------------------- LoRA checkpoints

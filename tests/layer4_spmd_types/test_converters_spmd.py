@@ -50,7 +50,7 @@ def test_mxfp8_type_checked_matches_torchaos_single_process_model() -> None:
     shards, typed as the linear it is (no block spans a shard, so nothing is reduced: a row-wise
     linear's product is a pending sum over tp the checker follows), against torchao's own
     ``MXFP8Linear`` model on one process."""
-    check_float8_parity("spmd_types-fsdp2_tp2-mxfp8-typechecked", "spmd_types", ("wk", "wv"), mxfp8=True,
+    check_float8_parity("spmd_types-fsdp2_tp2-mxfp8-typechecked", "spmd_types", ("wk", "wv"), recipe="mxfp8",
                         spmd_typechecking=True)
 
 
@@ -64,7 +64,7 @@ def test_mxfp8_experts_type_checked_match_torchaos_single_process_model(cell: st
     parallelism = ({"data_parallel_shard_degree": 4} if cell == "fsdp4" else
                    {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2})
     check_float8_parity(f"spmd_types-{cell}-mxfp8_experts-typechecked", "spmd_types", (), parallelism,
-                        model="qwen3", experts=True, tol=F8_TOL if cell == "fsdp4" else MX_EXPERTS_SHARDED_TOL,
+                        model="qwen3", recipe="mxfp8_experts", tol=F8_TOL if cell == "fsdp4" else MX_EXPERTS_SHARDED_TOL,
                         spmd_typechecking=True)
 
 
