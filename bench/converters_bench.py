@@ -31,6 +31,7 @@ from typing import Any
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.config.converters import (
+    Float8GroupedExpertsConverterConfig,
     Float8LinearConverterConfig,
     LoRAConverterConfig,
     MXFP8LinearConverterConfig,
@@ -173,6 +174,7 @@ def gpu_probe(dim: int, tokens: int, layers: int, emulate: bool, iters: int = 20
         result[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
     if emulate or has_cuda_capability(10, 0):
         result.update(_mxfp8_probe(base, x, step, emulate, iters, device == "cuda"))
+    result.update(_float8_experts_probe(dim, tokens, emulate, iters, device, dtype))
     print(json.dumps(result))
     return result
 
@@ -212,6 +214,75 @@ def _mxfp8_probe(base: Any, x: Any, step: Any, emulate: bool, iters: int, cuda: 
         for _ in range(iters):
             step(model)
         if cuda:
+            torch.cuda.synchronize()
+        out[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
+    return out
+
+
+def _float8_experts_probe(dim: int, tokens: int, emulate: bool, iters: int, device: str, dtype: Any,
+                          experts: int = 8) -> dict[str, Any]:
+    """8 experts (hidden dim = ``dim``), ``tokens`` rows split evenly, in float8 rowwise through the
+    library's ``Float8GroupedExpertsConverter``; on the GPU against torchao's own
+    ``_to_fp8_rowwise_then_scaled_grouped_mm`` on the same weights (the same kernels: expected 0),
+    and eager forward + backward times of both and of high precision."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from torchtitan_spmd.models.moe import GroupedExperts
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+
+    torch.manual_seed(0)
+    base = GroupedExperts(dim, dim, experts).to(device)
+    with torch.no_grad():
+        for w in (base.w1, base.w2, base.w3):
+            w.copy_(torch.randn_like(w) * dim ** -0.5)
+    base = base.to(dtype)
+    ours = copy.deepcopy(base)
+    convert_model(ours, build_converters([Float8GroupedExpertsConverterConfig(emulate=emulate)]))
+    counts = torch.full((experts,), tokens // experts, device=device, dtype=torch.long)
+    x = torch.randn(int(counts.sum()), dim, device=device, dtype=dtype)
+
+    def step(run: Any, params: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        out = run()
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad for p in params]
+
+    runs: dict[str, tuple[Any, list[torch.Tensor]]] = {
+        "hp_experts": (lambda: base.expert_outputs(x, counts), list(base.parameters())),
+        "library_float8_experts": (lambda: ours.expert_outputs(x, counts), list(ours.parameters())),
+    }
+    out: dict[str, Any] = {}
+    if not emulate:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        theirs = copy.deepcopy(base)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def torchao_experts() -> torch.Tensor:
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return _to_fp8_rowwise_then_scaled_grouped_mm(a, w.transpose(-2, -1), offs, torch.bfloat16,
+                                                               pad_token_groups_for_grouped_mm=False).to(a.dtype)
+
+            return mm(F.silu(mm(x, theirs.w1)) * mm(x, theirs.w3), theirs.w2)
+
+        runs["torchao_float8_experts"] = (torchao_experts, list(theirs.parameters()))
+        (o1, g1), (o2, g2) = step(*runs["library_float8_experts"]), step(*runs["torchao_float8_experts"])
+        out["float8_experts_output_max_abs_diff"] = float((o1.float() - o2.float()).abs().max())
+        out["float8_experts_weight_grad_max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
+                                                             for a, b in zip(g1, g2, strict=True))
+    for name, (run, params) in runs.items():
+        for _ in range(3):
+            step(run, params)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(run, params)
+        if device == "cuda":
             torch.cuda.synchronize()
         out[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / iters
     return out

@@ -25,6 +25,7 @@ from parity_helpers import job_config, warm_parent
 
 from torchtitan_spmd.config import JobConfig
 from torchtitan_spmd.config.converters import (
+    Float8GroupedExpertsConverterConfig,
     Float8LinearConverterConfig,
     LoRAConverterConfig,
     MXFP8GroupedExpertsConverterConfig,
@@ -33,7 +34,8 @@ from torchtitan_spmd.config.converters import (
 from torchtitan_spmd.launcher import run_forked
 
 __all__ = ["EP2", "F8_STEPS", "F8_TOL", "LORA", "MODELS", "MX_EXPERTS_SHARDED_TOL", "PARALLELISM", "check_float8_parity", "check_lora",
-           "float8_job", "run_trainer", "torchao_mxfp8", "torchao_mxfp8_experts",
+           "float8_job", "run_trainer", "torchao_float8_experts", "torchao_float8_matmul", "torchao_mxfp8",
+           "torchao_mxfp8_experts",
            "torchao_reference"]
 
 PARALLELISM: dict[str, Any] = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}
@@ -170,6 +172,57 @@ def torchao_mxfp8_experts(model: torch.nn.Module) -> int:
     return swapped
 
 
+class _Bfloat16Gradient(torch.autograd.Function):
+    """The identity whose gradient is rounded to bfloat16: a grouped GEMM's operand, whose gradient
+    the GEMM returns in its ``out_dtype`` (bfloat16, as torchao's ``_Float8GroupedMM``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(torch.bfloat16).to(grad.dtype)
+
+
+def torchao_float8_matmul() -> Any:
+    """``mm(x [T, K], w [N, K])``: torchao's own float8 linear matmul (``matmul_with_hp_or_float8_args``,
+    recipe ``rowwise``, emulated) with the product and both gradients rounded to bfloat16: one
+    expert's GEMM as torchao's float8 grouped GEMM computes it (the same rowwise casts along the
+    contracted dim; the weight gradient's scaled per column over that expert's tokens)."""
+    import torchao.float8 as f8
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    mm_config = Float8Linear.from_float(torch.nn.Linear(16, 16), config=config).linear_mm_config
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = matmul_with_hp_or_float8_args.apply(_Bfloat16Gradient.apply(x), _Bfloat16Gradient.apply(w).t(),
+                                                  mm_config, config)
+        return out.to(torch.bfloat16).to(x.dtype)
+
+    return mm
+
+
+def torchao_float8_experts(model: torch.nn.Module) -> int:
+    """Every grouped-experts module of ``model`` looping over its experts, each expert's three GEMMs
+    through :func:`torchao_float8_matmul` (torchao 0.18's float8 grouped GEMM is Triton only; its
+    casts are those of torchao's float8 linear, per expert); how many."""
+    mm = torchao_float8_matmul()
+
+    def expert_outputs(experts: Any, x: torch.Tensor, counts: torch.Tensor, **_: Any) -> torch.Tensor:
+        outs = [mm(F.silu(mm(rows, experts.w1[e])) * mm(rows, experts.w3[e]), experts.w2[e])
+                for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+        return torch.cat(outs) if outs else x.new_zeros(0, experts.w2.shape[1])
+
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ == "GroupedExperts":
+            module.expert_outputs = functools.partial(expert_outputs, module)
+            swapped += 1
+    return swapped
+
+
 @functools.cache
 def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[str, ...] = (),
                       rows: int = LOCAL_BATCH, cp: int = 1, model_name: str = "llama3",
@@ -190,8 +243,9 @@ def torchao_reference(recipe: str, dp: int, steps: int = F8_STEPS, skip: tuple[s
     model = get_model_spec(model_name).build_initialized(cfg.model.flavor, seed=seed, vocab_size=vocab,
                                                          max_seq_len=cfg.training.seq_len)
     want = MODELS[model_name][1] - sum(2 if s in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") else 1 for s in skip)
-    if recipe == "mxfp8_experts":  # the experts of the tiny MoE's two blocks; every linear stays as it is
-        assert torchao_mxfp8_experts(model) == 2, "the tiny MoE's two blocks' experts"
+    if recipe in ("mxfp8_experts", "float8_experts"):  # the tiny MoE's two blocks' experts; no linear
+        judge = torchao_mxfp8_experts if recipe == "mxfp8_experts" else torchao_float8_experts
+        assert judge(model) == 2, "the tiny MoE's two blocks' experts"
         want = 0
     elif recipe == "mxfp8":
         torchao_mxfp8(model, skip)
@@ -427,7 +481,9 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
     whose dense linears are float8 and whose experts stay in high precision (with EP: exchanged).
     ``recipe="mxfp8"``: MXFP8 (emulated) instead, its converter naming every linear but ``skip``,
     against torchao's own ``MXFP8Linear`` model; ``"mxfp8_experts"``: the MoE's experts in MXFP8
-    (emulated), against the MoE whose experts call torchao's grouped GEMM (:func:`torchao_reference`).
+    (emulated), against the MoE whose experts call torchao's grouped GEMM (:func:`torchao_reference`);
+    ``"float8_experts"``: the experts in float8 rowwise (emulated), against the MoE whose experts
+    loop over torchao's float8 linear matmul (:func:`torchao_float8_experts`).
     After step 1 an MXFP8 run is held to ``MX_LATER_TOL`` at least; ``tol`` holds the rest."""
     if backend == "full_dtensor":
         from parity_helpers import skip_full_dtensor_on_old_torch
@@ -435,7 +491,8 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
     converter = {"rowwise": Float8LinearConverterConfig(emulate=True, filter_fqns=list(skip)),
                  "mxfp8": MXFP8LinearConverterConfig(emulate=True, fqns=[n for n in MXFP8_NAMES if n not in skip]),
-                 "mxfp8_experts": MXFP8GroupedExpertsConverterConfig(emulate=True)}[recipe]
+                 "mxfp8_experts": MXFP8GroupedExpertsConverterConfig(emulate=True),
+                 "float8_experts": Float8GroupedExpertsConverterConfig(emulate=True)}[recipe]
     cfg = float8_job(backend, [converter], parallelism=parallelism, ac=ac, model=model, **debug)
     outs, trace = run_trainer(cfg)
     degrees = parallelism or PARALLELISM

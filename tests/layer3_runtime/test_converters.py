@@ -21,6 +21,7 @@ from torch import nn
 
 from torchtitan_spmd.config import ConfigManager
 from torchtitan_spmd.config.converters import (
+    Float8GroupedExpertsConverterConfig,
     Float8LinearConverterConfig,
     LoRAConverterConfig,
     MXFP8GroupedExpertsConverterConfig,
@@ -53,7 +54,7 @@ def test_upstream_import_paths_fields_and_defaults() -> None:
     assert _fields(LoRAConverter.Config) == {"rank": 8, "alpha": 16.0, "target_modules": None}
     assert _fields(MXFP8LinearConverter.Config) == {"model_compile_enabled": False, "fqns": [], "emulate": False}
     assert _fields(NVFP4LinearConverter.Config) == {"model_compile_enabled": False, "fqns": []}
-    assert _fields(Float8GroupedExpertsConverter.Config) == {"model_compile_enabled": False}
+    assert _fields(Float8GroupedExpertsConverter.Config) == {"model_compile_enabled": False, "emulate": False}
 
 
 # recipe -> (module, flavour, converter class names), as upstream's recipes list them
@@ -518,6 +519,177 @@ def test_mxfp8_experts_match_torchaos_single_process_model(cell: str) -> None:
     spmd_types: layer 4, type-checked."""
     backend, parallelism, tol = MX_EXPERT_CELLS[cell]
     check_float8_parity(cell, backend, (), parallelism, model="qwen3", recipe="mxfp8_experts", tol=tol)
+
+
+# ----------------------------------------------------------------------------- float8 grouped experts
+def test_float8_experts_convert_and_refuse_in_one_line() -> None:
+    from torchtitan_spmd.models.moe import GroupedExperts
+    from torchtitan_spmd.techniques.converters import converted_counts
+
+    model = _moe_tiny()
+    done = convert_model(model, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    assert done == {"Float8GroupedExpertsConverter": ["layers.0.moe.experts", "layers.1.moe.experts"]}
+    assert type(model.get_submodule("layers.1.moe.experts")).__name__ == "Float8GroupedExperts"
+    counts = converted_counts(model)
+    assert counts["float8_experts"] == 2 and counts["float8_expert_weight_numel"] == 2 * 3 * 8 * 64 * 64
+    assert "mxfp8_experts" not in counts
+    with pytest.raises(ValueError) as err:
+        convert_model(_tiny(), build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    assert "Float8GroupedExpertsConverter: the model has no MoE experts" in _one_line(err.value)
+    with torch.device("meta"):
+        narrow = nn.ModuleDict({"experts": GroupedExperts(64, 40, 2)})
+    with pytest.raises(ValueError) as err:
+        convert_model(narrow, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    assert "experts has dim 64 and hidden dim 40; Float8 grouped GEMMs need both multiples of 16" in _one_line(err.value)
+    with pytest.raises(ValueError) as err:
+        build_converters([Float8GroupedExpertsConverterConfig(emulate=True, model_compile_enabled=True)])
+    assert "emulate=True is for eager mode" in _one_line(err.value)
+
+
+def test_float8_experts_match_torchao_on_one_process() -> None:
+    """The converted tiny MoE's loss and every gradient equal, bit for bit, those of the same MoE whose
+    experts loop over torchao's own float8 linear matmul (rowwise, emulated; products and
+    gradients in bfloat16, as torchao's grouped GEMM), and differ from high precision."""
+    from float8_helpers import torchao_float8_experts
+
+    from torchtitan_spmd.models import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    ours, judge, plain = (spec.build_initialized("moe_tiny", seed=0, vocab_size=320, max_seq_len=64)
+                          for _ in range(3))
+    convert_model(ours, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    assert torchao_float8_experts(judge) == 2
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for model in (ours, judge, plain):
+        model(tokens).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+    w1 = "layers.0.moe.experts.w1"
+    assert not torch.allclose(grads[0][w1], grads[2][w1], rtol=1e-2, atol=0)
+
+
+def _operands(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``a`` [32, 32] in two experts' groups of 16, weights ``w`` [2, 32, 32] (nn.Linear's
+    layout), an output gradient ``g`` [32, 32], with the half of the hidden dim that tp rank 1 holds
+    set so that one scale's amax lies on rank 1 while rank 1's part of the product is zero:
+    ``"a"``/``"w"``: w2's contracted dim (a's or w's rows scaled along it), ``"g"``/``"wt"``: w1's
+    outputs (the input gradient's g or w scaled along them). Rank 0's elements then fall far below
+    the unsharded amax, into e4m3's subnormals: a scale taken on rank 0's shard alone keeps them."""
+    gen = torch.Generator().manual_seed(0)
+    a, w, g = (torch.randn(*shape, generator=gen) for shape in ((32, 32), (2, 32, 32), (32, 32)))
+    half = slice(16, 32)
+    big = 1e4  # rank 0's elements land at about 0.01 in e4m3 (subnormal below 2^-6, zero below 2^-10)
+    if case == "a":
+        a[:, half] *= big
+        w[:, :, half] = 0
+    elif case == "w":
+        w[:, :, half] *= big
+        a[:, half] = 0
+    elif case == "g":
+        g[:, half] *= big
+        w[:, half, :] = 0
+    else:
+        w[:, half, :] *= big
+        g[:, half] = 0
+    return a, w, g
+
+
+def _sharded_product(rank: int, world: int, case: str) -> list[float]:
+    """Rank ``rank``'s half of the hidden dim through the float8 experts' (emulated) grouped GEMM, as
+    the trainer binds it under tp 2 (the library's ``max`` over the group); the sum over ranks of
+    the forward product (w2: ``case`` ``a``/``w``) or of the input gradient (w1: ``g``/``wt``)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchtitan_spmd.models.moe import GroupedExperts
+    from torchtitan_spmd.techniques.converters import _max_over
+    from torchtitan_spmd.techniques.quantization import bind_float8_experts
+
+    a, w, g = _operands(case)
+    mine = slice(16 * rank, 16 * rank + 16)
+    experts = nn.ModuleDict({"experts": GroupedExperts(32, 32, 2)})
+    convert_model(experts, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    layouts = {"experts.w1": SimpleNamespace(layout=SimpleNamespace(shard_dims=lambda: {"tp": 1}))}
+    assert bind_float8_experts(experts, layouts, 2, _max_over(dist.group.WORLD)) == 1
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    if case in ("a", "w"):  # w2: the contracted dim sharded
+        out = experts["experts"]._quantized_mm(a[:, mine].contiguous(), w[:, :, mine], offs, True)
+    else:  # w1: the outputs sharded; the input gradient is a pending sum over tp
+        x = a.clone().requires_grad_(True)
+        experts["experts"]._quantized_mm(x, w[:, mine, :], offs, False).backward(g[:, mine].to(torch.bfloat16).float())
+        out = x.grad.to(torch.bfloat16).float()
+    dist.all_reduce(out)
+    return out.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("case", ["a", "w", "g", "wt"])
+def test_float8_experts_scales_along_a_tp_shard_are_the_unsharded_ones(case: str) -> None:
+    """Under tensor parallelism each scale along the experts' sharded hidden dim is the unsharded
+    one: on two real gloo ranks, w2's product (its rows' and weights' scales along the contracted
+    hidden dim) and w1's input gradient (its output gradient's and weights' scales along the
+    hidden outputs) equal torchao's float8 matmul on the whole operands, where a scale taken on a
+    rank's shard alone would keep the elements the unsharded scale sends to e4m3's subnormals."""
+    from float8_helpers import torchao_float8_matmul
+
+    from torchtitan_spmd.launcher import run_forked
+
+    a, w, g = _operands(case)
+    mm = torchao_float8_matmul()
+    if case in ("a", "w"):
+        want = torch.cat([mm(a[16 * e:16 * e + 16], w[e]) for e in range(2)])
+    else:
+        x = a.clone().requires_grad_(True)
+        torch.cat([mm(x[16 * e:16 * e + 16], w[e]) for e in range(2)]).backward(g.to(torch.bfloat16).float())
+        want = x.grad
+    got = torch.tensor(run_forked(_sharded_product, 2, case)[0]).reshape(want.shape)
+    scale = want.abs().max()
+    assert scale > 0 and want.count_nonzero() > want.numel() // 2, "rank 0's part of the product survives"
+    assert float((got - want).abs().max() / scale) < 1e-6, (case, float((got - want).abs().max() / scale))
+
+
+def test_float8_experts_tensor_parallel_layouts_are_checked_in_one_line() -> None:
+    from types import SimpleNamespace
+
+    from torchtitan_spmd.techniques.quantization import bind_float8_experts
+
+    layouts = {f"layers.{i}.moe.experts.w1": SimpleNamespace(layout=SimpleNamespace(shard_dims=lambda: {"tp": 1}))
+               for i in range(2)}
+    model = _moe_tiny()
+    convert_model(model, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    assert bind_float8_experts(model, layouts, 2, max) == 2  # hidden 64 / tp 2 = 32
+    assert bind_float8_experts(model, layouts, 1, None) == 0
+    with pytest.raises(ValueError) as err:
+        bind_float8_experts(model, layouts, 8, max)
+    assert "layers.0.moe.experts (hidden dim 64 / tp 8 = 8)" in _one_line(err.value)
+    for experts in (model.get_submodule(f"layers.{i}.moe.experts") for i in range(2)):
+        experts.float8_emulate = False  # the GPU's torchao kernels: they would scale each shard alone
+    with pytest.raises(ValueError) as err:
+        bind_float8_experts(model, layouts, 2, max)
+    assert "torchao's float8 grouped kernels would scale each shard alone" in _one_line(err.value)
+
+
+#: cell -> (backend, parallelism, tolerance): the tiny MoE, experts in float8 rowwise (emulated),
+#: routed round-robin; the attention linears and the output in high precision. Type-checked
+#: ``spmd_types`` cells: layer 4.
+F8_EXPERT_CELLS: dict[str, tuple[str, dict[str, Any], float]] = {
+    "default-fsdp4": ("default", {"data_parallel_shard_degree": 4}, F8_TOL),
+    "full_dtensor-fsdp4": ("full_dtensor", {"data_parallel_shard_degree": 4}, F8_TOL),
+    "default-fsdp2_tp2": ("default", {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2},
+                          MX_EXPERTS_SHARDED_TOL),
+    "full_dtensor-fsdp2_tp2_ep2": ("full_dtensor", EP2, MX_EXPERTS_SHARDED_TOL),
+}
+
+
+@pytest.mark.parametrize("cell", list(F8_EXPERT_CELLS))
+def test_float8_experts_match_torchaos_single_process_model(cell: str) -> None:
+    """Against the same MoE on one process whose experts loop over torchao's float8 linear matmul:
+    exact where the experts are whole on each rank (FSDP), within bfloat16's rounding of partial
+    products (TP) or of other token groups' column scales (EP) where they are sharded."""
+    backend, parallelism, tol = F8_EXPERT_CELLS[cell]
+    check_float8_parity(cell, backend, (), parallelism, model="qwen3", recipe="float8_experts", tol=tol)
 
 
 # ----------------------------------------------------------------------------- LoRA checkpoints

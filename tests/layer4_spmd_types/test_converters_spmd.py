@@ -68,6 +68,23 @@ def test_mxfp8_experts_type_checked_match_torchaos_single_process_model(cell: st
                         spmd_typechecking=True)
 
 
+@pytest.mark.parametrize("cell", ["fsdp4", "fsdp2_tp2"])
+def test_float8_experts_type_checked_match_torchaos_single_process_model(cell: str) -> None:
+    """The tiny MoE's experts in float8 rowwise (emulated), type-checked: under TP each scale along
+    the sharded hidden dim reduced by a typed all-gather (``R@tp``) and taken into the grouped
+    GEMM's type rule with its operand, against the same MoE on one process looping over torchao's
+    float8 linear matmul (tolerances: layer 3). The representation types the experts' hidden
+    shards as varying (``V@tp``), not as a partition of one dim, so the checker cannot tell a
+    shard-local scale from the unsharded one: layer 3's per-scale test catches a dropped reduction."""
+    from float8_helpers import F8_TOL, MX_EXPERTS_SHARDED_TOL
+
+    parallelism = ({"data_parallel_shard_degree": 4} if cell == "fsdp4" else
+                   {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2})
+    check_float8_parity(f"spmd_types-{cell}-float8_experts-typechecked", "spmd_types", (), parallelism,
+                        model="qwen3", recipe="float8_experts", tol=F8_TOL if cell == "fsdp4" else MX_EXPERTS_SHARDED_TOL,
+                        spmd_typechecking=True)
+
+
 def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
     """Upstream's ``llama3_debugmodel_float8_emulate_lora`` converters, type-checked: the row-wise
     adapters' pending sum over tp goes through a matmul the checker knows to be linear."""

@@ -99,6 +99,11 @@ class Float8GroupedExpertsConverterConfig(QuantizationConverterConfig):
 
     converter: ClassVar[str] = "Float8GroupedExpertsConverter"
 
+    emulate: bool = False
+    """Not upstream's: emulate the float8 grouped GEMMs (any device, eager; products in bfloat16, as
+    torchao's). Without it they need an NVIDIA GPU of compute capability 8.9 (SM89) or newer
+    (torchao's Triton kernels and ``torch._scaled_grouped_mm``)."""
+
 
 @dataclass(kw_only=True)
 class MXFP8LinearConverterConfig(QuantizationConverterConfig):

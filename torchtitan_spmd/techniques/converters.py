@@ -81,20 +81,21 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
                    representation: Any) -> None:
     """After the plan: the float8 linears learn how their weights are sharded over ``tp`` and
     the ``max`` that makes their scales global: the representation's ``amax_max_over_tp`` where
-    it defines one (typed), else a plain all-reduce over the ``tp`` group. The MXFP8 linears
-    learn their shards, checked to split no block (a setup error naming them)."""
+    it defines one (typed), else a plain all-reduce over the ``tp`` group; so do the float8
+    grouped experts. The MXFP8 linears and experts learn their shards, checked to split no block
+    (a setup error naming them)."""
     quantization.bind_mxfp8_shards(model, state_layouts, parallel_dims.tp)
-    if not parallel_dims.tp_enabled:
-        quantization.bind_float8_shards(model, state_layouts, None)
-        return
-    own = getattr(representation, "amax_max_over_tp", None)
-    reduce = own() if own is not None else _max_over(parallel_dims.get_mesh("tp").get_group())
+    reduce = None
+    if parallel_dims.tp_enabled:
+        own = getattr(representation, "amax_max_over_tp", None)
+        reduce = own() if own is not None else _max_over(parallel_dims.get_mesh("tp").get_group())
     quantization.bind_float8_shards(model, state_layouts, reduce)
+    quantization.bind_float8_experts(model, state_layouts, parallel_dims.tp, reduce)
 
 
 def converted_counts(model: nn.Module) -> dict[str, int]:
     """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8
-    and MXFP8 linears, MXFP8 grouped experts, and their weights' elements (kept in high precision:
+    and MXFP8 linears, float8 and MXFP8 grouped experts, and their weights' elements (kept in high precision:
     torchao's dynamic scaling stores no scales, it computes them each step), LoRA's adapter
     elements, and the frozen parameters' elements and bytes (no gradient, no optimizer state).
     Empty for an unconverted model."""
@@ -110,11 +111,12 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
             out[f"{kind}_linears"] = len(linears)
             out[f"{kind}_weight_numel"] = sum(local(m.weight).numel() for m in linears)
             out[f"{kind}_stored_scales"] = 0
-    experts = [m for m in model.modules() if quantization.is_mxfp8_experts(m)]
-    if experts:
-        out["mxfp8_experts"] = len(experts)
-        out["mxfp8_expert_weight_numel"] = sum(local(getattr(m, w)).numel() for m in experts
-                                               for w in ("w1", "w2", "w3"))
+    for kind, which in (("float8", quantization.is_float8_experts), ("mxfp8", quantization.is_mxfp8_experts)):
+        experts = [m for m in model.modules() if which(m)]
+        if experts:
+            out[f"{kind}_experts"] = len(experts)
+            out[f"{kind}_expert_weight_numel"] = sum(local(getattr(m, w)).numel() for m in experts
+                                                     for w in ("w1", "w2", "w3"))
     adapters = [getattr(m, a) for m in model.modules() if lora.is_lora(m) for a in lora.ADAPTERS]
     if adapters:
         out["lora_adapter_numel"] = sum(local(p).numel() for p in adapters)

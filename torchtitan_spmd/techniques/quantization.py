@@ -27,9 +27,13 @@ amax over a group (its ``reduce_amax`` is per cast call, which its linear does n
 Data parallelism shards tokens: each rank's matmuls scale its own tokens, as in upstream's FSDP
 (the weight gradient's per-column scales are those of the rank's batch).
 
-``Float8GroupedExpertsConverter``, ``MXFP8LinearConverter``, ``MXFP8GroupedExpertsConverter`` and
-``NVFP4LinearConverter`` are accepted by name; each needs a GPU this library cannot emulate
-(SM89+ for float8 grouped GEMMs, SM100+ for MXFP8 and NVFP4): without it, one line at setup.
+``Float8GroupedExpertsConverter`` puts the MoE experts' grouped GEMMs in float8 rowwise: torchao's
+``_Float8GroupedMM`` on an SM89+ GPU, or, with ``emulate=True``, the same casts emulated here
+(torchao 0.18 has no emulated float8 grouped GEMM), with the amaxes along a tp-sharded hidden dim
+reduced as the linears' are. ``MXFP8LinearConverter`` and ``MXFP8GroupedExpertsConverter`` run
+torchao's MXFP8 kernels on local shards (SM100+, or torchao's emulated kernels). ``NVFP4LinearConverter``
+is accepted by name (torchao's NVFP4 training is Triton only): without an SM100+ GPU, one line at
+setup; with one, one line saying it is not built.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from torchtitan_spmd.config.converters import (
 
 __all__ = [
     "FLOAT8_EXTRA",
+    "FLOAT8_GROUP_MULTIPLE",
     "Float8GroupedExpertsConverter",
     "Float8Linear",
     "Float8LinearConverter",
@@ -63,8 +68,10 @@ __all__ = [
     "NVFP4LinearConverter",
     "QuantizationConverter",
     "MXFP8Linear",
+    "bind_float8_experts",
     "bind_float8_shards",
     "bind_mxfp8_shards",
+    "is_float8_experts",
     "is_mxfp8_experts",
     "has_cuda_capability",
     "import_torchao_float8",
@@ -639,7 +646,7 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
     bound, split = 0, []
     for fqn, module in model.named_modules():
         if is_mxfp8_experts(module):  # w1's hidden dim (w2's and w3's are sharded alike)
-            hidden = module.mxfp8_hidden_dim
+            hidden = module.quant_hidden_dim
             if tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1 and hidden % (tp * MXFP8_BLOCK):
                 split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
             continue
@@ -659,7 +666,7 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
     return bound
 
 
-# ----------------------------------------------------------------------------- MXFP8 grouped experts
+# ----------------------------------------------------------------------------- quantized grouped experts
 def _padded_positions(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows sorted by expert, ``counts[e]`` of expert ``e``, each expert's group padded with zero rows
     to a multiple of ``multiple``: ``(each row's index in the padded rows, the padded counts)``."""
@@ -669,6 +676,301 @@ def _padded_positions(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor
     return torch.arange(expert.numel(), device=counts.device) + shift[expert], padded
 
 
+def _check_offsets_typed(what: str, a: Any, offs: Any) -> None:
+    """``spmd_types``: where the rows ``a`` are the same on every rank of an axis (R or I), their
+    expert grouping ``offs`` must be too, or the ranks' outputs would differ under a type that says
+    not (SpmdTypeError); ``offs`` itself then takes no part in the product's type."""
+    from spmd_types import SpmdTypeError, rules
+
+    rows, groups = rules.get_local_type(a), rules.get_local_type(offs)
+    for axis, typ in rows.items():
+        if typ in (rules.R, rules.I) and groups.get(axis, typ) not in (rules.R, rules.I):
+            raise SpmdTypeError(f"{what}: the rows are {typ} on {axis} but their expert offsets are "
+                                f"{groups[axis]}: each rank would group the same rows apart.")
+    rules.ignore(offs)
+
+
+class _QuantizedExperts(nn.Module):
+    """The body shared by the quantized grouped experts (:class:`_Float8Experts`,
+    :class:`_MXFP8Experts`), mixed in before the model's experts class: the three grouped GEMMs on
+    this rank's experts and tokens, each expert's rows padded with zeros to ``quant_pad_multiple``
+    (a scale along the tokens never mixes two experts; the GPU kernels' alignment), the padding
+    dropped after. ``quant_hidden_dim``: the experts' global hidden dim (the tp-split checks)."""
+
+    quant_pad_multiple: int = 16
+    quant_hidden_dim: int = 0
+
+    def _quantized_mm(self, a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                      contracts_hidden: bool) -> torch.Tensor:
+        """``a``'s row groups (ending at ``offs``) through their experts' ``weight`` ``[E, out, in]``
+        (nn.Linear's layout), quantized, the result in ``a``'s dtype. ``contracts_hidden``: ``w2``
+        (the contracted dim is the hidden dim), not ``w1``/``w3`` (whose outputs are)."""
+        raise NotImplementedError
+
+    def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
+        from torchtitan_spmd.models.moe import local_weight
+
+        if x.shape[0] == 0:  # no rows here (expert parallelism): nothing to quantize
+            return super().expert_outputs(x, counts, grouped=False)  # type: ignore[misc]
+        w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
+        where, padded = _padded_positions(counts.to(torch.long), self.quant_pad_multiple)
+        rows = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, where, x)
+        offs = torch.cumsum(padded, 0, dtype=torch.int32)
+        h = torch.nn.functional.silu(self._quantized_mm(rows, w1, offs, False)) * self._quantized_mm(rows, w3, offs, False)
+        return self._quantized_mm(h, w2, offs, True)[where]
+
+
+_QUANTIZED_EXPERTS: dict[tuple[type, type], type] = {}
+
+
+def _quantized_experts_class(mixin: type[_QuantizedExperts], prefix: str, base: type[nn.Module]) -> type[nn.Module]:
+    """The subclass of grouped-experts class ``base`` with ``mixin``'s quantized GEMMs (cached),
+    named ``prefix + base's name`` (upstream's ``Float8GroupedExperts``, ``MXFP8GroupedExperts``)."""
+    key = (mixin, base)
+    if key not in _QUANTIZED_EXPERTS:
+        name = f"{prefix}{base.__name__}"
+        cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "__doc__": mixin.__doc__})
+        _QUANTIZED_EXPERTS[key] = cls
+    return _QUANTIZED_EXPERTS[key]
+
+
+def _convert_experts(converter: str, model: nn.Module, multiple: int, mixin: type[_QuantizedExperts],
+                     prefix: str, **attributes: Any) -> list[str]:
+    """Every grouped-experts module of ``model`` given ``mixin``'s quantized GEMMs and ``attributes``;
+    their names. Experts whose dim or hidden dim is no multiple of ``multiple``, and a model with
+    none, are one-line errors naming ``converter``."""
+    from torchtitan_spmd.models.moe import GroupedExperts
+
+    converted = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        hidden, dim = module.w1.shape[1], module.w1.shape[2]
+        if dim % multiple or hidden % multiple:
+            raise ValueError(f"{converter}: {fqn} has dim {dim} and hidden dim {hidden}; "
+                             f"{prefix} grouped GEMMs need both multiples of {multiple}.")
+        module.__class__ = _quantized_experts_class(mixin, prefix, type(module))
+        module.quant_hidden_dim = hidden
+        for key, value in attributes.items():
+            setattr(module, key, value)
+        converted.append(fqn)
+    if not converted:
+        raise ValueError(f"{converter}: the model has no MoE experts to convert.")
+    return converted
+
+
+# ----------------------------------------------------------------------------- float8 grouped experts
+#: The float8 grouped GEMMs' alignment (upstream's ``PAD_MULTIPLE``): 16 bytes of e4m3, in every
+#: dim of both operands and in each expert's token group (torchao's kernels).
+FLOAT8_GROUP_MULTIPLE = 16
+
+
+def _float8_rowwise_cast() -> Any:
+    """torchao's rowwise cast (e4m3, one scale per row along the scaled axis, power-of-two scales):
+    every operand of torchao's float8 grouped GEMMs (``_Float8GroupedMM``) is cast so."""
+    float8 = import_torchao_float8("Float8GroupedExpertsConverter")
+    return float8.Float8LinearConfig.from_recipe_name("rowwise").cast_config_input
+
+
+def _dequantized(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t`` cast to e4m3 with ``scale`` and back, in float32: torchao's cast
+    (``hp_tensor_and_scale_to_float8``) and its emulated matmul's dequantisation (``data / scale``)."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return to_fp8_saturated(t.float() * scale, torch.float8_e4m3fn).float() / scale
+
+
+def _per_group_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Each row group of ``a`` (ending at ``offs``) times its expert's ``b[e]``, accumulated in
+    float32, the product in bfloat16 (the scaled grouped GEMM's output dtype, as torchao's)."""
+    out = a.new_empty(a.shape[0], b.shape[-1], dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out.to(torch.bfloat16)
+
+
+def _group_column_scales(t: torch.Tensor, offs: torch.Tensor, cast: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row group of ``t`` (ending at ``offs``) with its rowwise scales per column (``[1, cols]``):
+    the weight gradient's casts scale along the tokens of one expert (torchao's per-group
+    column-wise scales). An empty group's scales are 1 (they scale nothing)."""
+    bounds, out = [0, *offs.tolist()], []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        part = t[start:end]
+        out.append((part, _scale(part, cast, 0, None, None, True) if end > start else t.new_ones(1, t.shape[1])))
+    return out
+
+
+class _GroupedFloat8Matmul(torch.autograd.Function):
+    """Rows ``a`` ``[M, K]`` grouped by expert (groups ending at ``offs``) times their experts'
+    ``weight_t`` ``[E, K, N]`` in float8, emulated: the casts of torchao's ``_Float8GroupedMM``
+    (every operand e4m3 with power-of-two rowwise scales along the contracted dim; the weight
+    gradient's operands scaled per column over one expert's tokens), dequantised and multiplied in
+    float32, each product rounded to bfloat16 as torchao's ``out_dtype``.
+
+    Under tensor parallelism the experts' hidden dim is sharded: ``w1``/``w3``'s outputs
+    (``tp_dim="n"``) or ``w2``'s contracted dim (``tp_dim="k"``). A scale along it reduces its amax
+    with ``reduce`` (the max over tp), so every scale is the unsharded one: the forward's two
+    scales are computed outside (``scale_a``, ``scale_w``, for ``spmd_types``' checker to see the
+    reduction), the backward's here."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, scale_a: torch.Tensor,
+                scale_w: torch.Tensor, tp_dim: str | None, reduce: Callable[..., torch.Tensor] | None,
+                cast: Any) -> torch.Tensor:
+        ctx.save_for_backward(a, weight_t, offs)
+        ctx.tp_dim, ctx.reduce, ctx.cast = tp_dim, reduce, cast
+        return _per_group_mm(_dequantized(a, scale_a), _dequantized(weight_t, scale_w), offs)
+
+    @staticmethod
+    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any, scale_a: Any, scale_w: Any) -> Any:
+        """Each row through one expert's matmul, multilinear in the rows, the weights and their
+        scales (the dequantisation multiplies by both). The experts' hidden shards are typed
+        varying over tp (not as a partition of the contracted dim), so this rule cannot tell a
+        shard-local scale from a reduced one; the reductions are tested on real ranks instead."""
+        from spmd_types import rules
+
+        _check_offsets_typed("Float8 grouped experts", a, offs)
+        return rules.einsum("mk,ekn,mz,ezn->mn", a, weight_t, scale_a, scale_w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        a, weight_t, offs = ctx.saved_tensors
+        cast, reduce = ctx.cast, ctx.reduce
+        g = grad_output.float()
+        n_sharded = 1 if ctx.tp_dim == "n" else None
+        # the input gradient: g [M, N] @ weight [E, N, K], both scaled along N (sharded in w1/w3)
+        scale_g = _scale(g, cast, -1, n_sharded, reduce, True)
+        scale_w = _scale(weight_t, cast, 2, 2 if ctx.tp_dim == "n" else None, reduce, True)
+        grad_a = _per_group_mm(_dequantized(g, scale_g), _dequantized(weight_t, scale_w).transpose(-2, -1), offs)
+        # the weight gradient: a_e^T @ g_e per expert, both scaled per column over the expert's tokens
+        grad_w = torch.stack([(_dequantized(pa, sa).t() @ _dequantized(pg, sg)).to(torch.bfloat16)
+                              for (pa, sa), (pg, sg) in zip(_group_column_scales(a, offs, cast),
+                                                            _group_column_scales(g, offs, cast), strict=True)])
+        return grad_a, grad_w, None, None, None, None, None, None
+
+
+class _TorchaoGroupedFloat8Matmul(torch.autograd.Function):
+    """The GPU's float8 grouped GEMM: torchao's own ``_Float8GroupedMM`` (its Triton casts and
+    ``torch._scaled_grouped_mm``, products in bfloat16, as upstream's ``Float8GroupedExperts``),
+    with the type rule ``spmd_types``' checker needs. torchao scales each operand on this rank's
+    tensors, so it runs only where no scale spans a tp shard (:func:`bind_float8_shards`)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.prototype.moe_training.fp8_grouped_mm import _Float8GroupedMM
+
+        ctx.grouped = _Float8GroupedMM
+        op = Float8TrainingOpConfig()
+        return _Float8GroupedMM.forward(ctx, a, weight_t, offs, op.out_dtype, op.float8_dtype, False)
+
+    @staticmethod
+    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any) -> Any:
+        from spmd_types import rules
+
+        _check_offsets_typed("Float8 grouped experts", a, offs)
+        return rules.einsum("mk,ekn->mn", a, weight_t)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad_a, grad_weight_t, *_ = ctx.grouped.backward(ctx, grad_output.contiguous())
+        return grad_a, grad_weight_t, None
+
+
+class _Float8Experts(_QuantizedExperts):
+    """Grouped experts whose three grouped GEMMs are float8 rowwise (upstream's
+    ``Float8GroupedExperts``): torchao's ``_Float8GroupedMM`` on the GPU, or emulated
+    (:class:`_GroupedFloat8Matmul`, ``emulate=True``), whose scales along a tp-sharded hidden dim
+    are reduced over tp (``amax_reduce``, set by :func:`bind_float8_shards`)."""
+
+    float8_emulate: bool = False
+    float8_tp_sharded: bool = False  # the hidden dim sharded over tp (bind_float8_shards)
+    amax_reduce: Callable[..., torch.Tensor] | None = None
+
+    def _quantized_mm(self, a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                      contracts_hidden: bool) -> torch.Tensor:
+        weight_t = weight.transpose(-2, -1)
+        if not self.float8_emulate:
+            return _TorchaoGroupedFloat8Matmul.apply(a, weight_t, offs).to(a.dtype)
+        tp_dim = ("k" if contracts_hidden else "n") if self.float8_tp_sharded else None
+        cast, reduce = _float8_rowwise_cast(), self.amax_reduce
+        scale_a = _scale(a, cast, -1, 1 if tp_dim == "k" else None, reduce, True)
+        scale_w = _scale(weight_t, cast, 1, 1 if tp_dim == "k" else None, reduce, True)
+        return _GroupedFloat8Matmul.apply(a, weight_t, offs, scale_a, scale_w, tp_dim, reduce, cast).to(a.dtype)
+
+
+def bind_float8_experts(model: nn.Module, state_layouts: dict[str, Any], tp: int,
+                        amax_reduce: Callable[..., torch.Tensor] | None) -> int:
+    """Tell each float8 grouped-experts module whether the plan shards its hidden dim over ``tp``
+    (``tp``: the degree, 1 without tensor parallelism) and the ``max`` over ``tp`` its emulated
+    scales reduce with; the number so sharded. One-line ValueError, naming them all, where a shard
+    of the hidden dim is no multiple of 16 (torchao's alignment), or where the GPU's kernels
+    (``emulate=False``) would scale the shards alone."""
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+    bound, split, gpu = 0, [], []
+    for fqn, module in model.named_modules():
+        if not is_float8_experts(module):
+            continue
+        sharded = tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1
+        hidden = module.quant_hidden_dim
+        if sharded and hidden % (tp * FLOAT8_GROUP_MULTIPLE):
+            split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
+        if sharded and not module.float8_emulate:
+            gpu.append(plain_fqn(fqn))
+        module.float8_tp_sharded = sharded
+        module.amax_reduce = amax_reduce if sharded else None
+        bound += sharded
+    if split:
+        raise ValueError(f"Float8GroupedExpertsConverter: tensor parallelism shards the experts' hidden dim into "
+                         f"no multiple of {FLOAT8_GROUP_MULTIPLE} in {', '.join(split)}: lower "
+                         "parallelism.tensor_parallel_degree or use expert parallelism.")
+    if gpu:
+        raise ValueError(f"Float8GroupedExpertsConverter: tensor parallelism shards the hidden dim of {', '.join(gpu)}, "
+                         "and torchao's float8 grouped kernels would scale each shard alone (not the recipe's "
+                         "rowwise scales): use expert parallelism for the experts (parallelism."
+                         "expert_parallel_degree, expert_tensor_parallel_degree 1) or emulate=True.")
+    return bound
+
+
+def is_float8_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is grouped experts converted by :class:`Float8GroupedExpertsConverter`."""
+    return isinstance(module, _Float8Experts)
+
+
+class Float8GroupedExpertsConverter(QuantizationConverter):
+    """Upstream's ``Float8GroupedExpertsConverter``: the MoE experts' grouped GEMMs in float8 rowwise
+    (torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm``), each expert's tokens padded to 16.
+
+    Checks at construction, each a one-line error: torchao installed (the ``float8`` extra), and a
+    GPU of compute capability 8.9+ unless ``emulate=True`` (not upstream's: the same casts emulated
+    in eager mode on any device, as torchao 0.18 has no emulated float8 grouped GEMM). Experts whose
+    dim or hidden dim is no multiple of 16 are a setup error naming them. Where upstream swaps the
+    token dispatcher for one that pads, the experts pad their own groups here.
+
+    Under tensor parallelism (the hidden dim sharded) the emulated GEMMs reduce every scale along
+    the hidden dim over tp; torchao's GPU kernels scale each shard alone, so on the GPU that
+    layout is a setup error (:func:`bind_float8_shards`), where upstream silently scales per shard.
+    """
+
+    Config: ClassVar[type[Float8GroupedExpertsConverterConfig]] = Float8GroupedExpertsConverterConfig
+
+    def __init__(self, config: Float8GroupedExpertsConverterConfig) -> None:
+        super().__init__(config)
+        import_torchao_float8("Float8GroupedExpertsConverter (float8 MoE training)")
+        with _quiet_torchao_enum_warning():
+            import torchao.prototype.moe_training.fp8_grouped_mm  # noqa: F401
+        _check_emulation("Float8GroupedExpertsConverter", config, (8, 9), "float8 grouped GEMMs")
+
+    def convert(self, model: nn.Module) -> list[str]:
+        return _convert_experts("Float8GroupedExpertsConverter", model, FLOAT8_GROUP_MULTIPLE, _Float8Experts,
+                                "Float8", quant_pad_multiple=FLOAT8_GROUP_MULTIPLE,
+                                float8_emulate=self.config.emulate)
+
+
+# ----------------------------------------------------------------------------- MXFP8 grouped experts
 class _GroupedMXFP8Matmul(torch.autograd.Function):
     """Rows ``a`` ``[M, K]`` grouped by expert (groups ending at ``offs``) times their experts'
     ``weight_t`` ``[E, K, N]``, in MXFP8: torchao's ``_MXFP8GroupedMM`` (its forward and backward:
@@ -687,17 +989,11 @@ class _GroupedMXFP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any) -> Any:
-        """Each row through one expert's matmul: the types of ``a @ weight_t[e]``. ``offs`` only
-        groups ``a``'s rows: where ``a`` is the same on every rank of an axis (R or I), its
-        grouping must be too, or the ranks' outputs would differ under a type that says not."""
-        from spmd_types import SpmdTypeError, rules
+        """Each row through one expert's matmul: the types of ``a @ weight_t[e]`` (each block's scale
+        is the block's own, on the rank that holds it)."""
+        from spmd_types import rules
 
-        rows, groups = rules.get_local_type(a), rules.get_local_type(offs)
-        for axis, typ in rows.items():
-            if typ in (rules.R, rules.I) and groups.get(axis, typ) not in (rules.R, rules.I):
-                raise SpmdTypeError(f"MXFP8 grouped experts: the rows are {typ} on {axis} but their expert "
-                                    f"offsets are {groups[axis]}: each rank would group the same rows apart.")
-        rules.ignore(offs)
+        _check_offsets_typed("MXFP8 grouped experts", a, offs)
         return rules.einsum("mk,ekn->mn", a, weight_t)
 
     @staticmethod
@@ -706,54 +1002,22 @@ class _GroupedMXFP8Matmul(torch.autograd.Function):
         return grad_a, grad_weight_t, None, None
 
 
-def _mxfp8_grouped_mm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, kernel_preference: Any) -> torch.Tensor:
-    """``a``'s row groups (ending at ``offs``) through their experts' ``weight`` ``[E, out, in]``
-    (nn.Linear's layout) in MXFP8 (:class:`_GroupedMXFP8Matmul`), the result in ``a``'s dtype."""
-    return _GroupedMXFP8Matmul.apply(a, weight.transpose(-2, -1), offs, kernel_preference).to(a.dtype)
+class _MXFP8Experts(_QuantizedExperts):
+    """Grouped experts whose three grouped GEMMs are MXFP8 (torchao's, upstream's
+    ``MXFP8GroupedExperts``). Nothing is reduced across ranks: under expert parallelism each expert
+    is whole on its rank, and a tensor-parallel shard of the hidden dim splits no block of 32
+    (checked by :func:`bind_mxfp8_shards`)."""
 
+    mxfp8_kernel_preference: Any = None
 
-_MXFP8_EXPERTS: dict[type, type] = {}
-
-
-def _mxfp8_experts_class(base: type[nn.Module]) -> type[nn.Module]:
-    """The MXFP8 subclass of grouped-experts class ``base`` (cached): its grouped GEMMs in MXFP8."""
-    if base in _MXFP8_EXPERTS:
-        return _MXFP8_EXPERTS[base]
-
-    class MXFP8GroupedExperts(base):  # type: ignore[valid-type, misc]
-        """``base``'s experts with their three grouped GEMMs in MXFP8 (torchao), on this rank's
-        experts and tokens: each expert's rows padded with zeros to ``mxfp8_pad_multiple`` (a
-        block of 32 along the tokens never mixes two experts), the padding dropped after.
-        Nothing is reduced across ranks: under expert parallelism each expert is whole on its
-        rank, and a tensor-parallel shard of the hidden dim splits no block (checked by
-        :func:`bind_mxfp8_shards`)."""
-
-        mxfp8_kernel_preference: Any = None
-        mxfp8_pad_multiple: int = MXFP8_BLOCK
-        mxfp8_hidden_dim: int = 0  # the experts' global hidden dim (bind_mxfp8_shards' check)
-
-        def expert_outputs(self, x: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
-            from torchtitan_spmd.models.moe import local_weight
-
-            if x.shape[0] == 0:  # no rows here (expert parallelism): nothing to quantize
-                return super().expert_outputs(x, counts, grouped=False)
-            w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
-            where, padded = _padded_positions(counts.to(torch.long), self.mxfp8_pad_multiple)
-            rows = x.new_zeros(int(padded.sum()), x.shape[1]).index_copy(0, where, x)
-            offs = torch.cumsum(padded, 0, dtype=torch.int32)
-            pref = self.mxfp8_kernel_preference
-            h = torch.nn.functional.silu(_mxfp8_grouped_mm(rows, w1, offs, pref)) * _mxfp8_grouped_mm(rows, w3, offs, pref)
-            return _mxfp8_grouped_mm(h, w2, offs, pref)[where]
-
-    MXFP8GroupedExperts.__name__ = MXFP8GroupedExperts.__qualname__ = f"MXFP8{base.__name__}"
-    MXFP8GroupedExperts.__module__ = __name__
-    _MXFP8_EXPERTS[base] = MXFP8GroupedExperts
-    return MXFP8GroupedExperts
+    def _quantized_mm(self, a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                      contracts_hidden: bool) -> torch.Tensor:
+        return _GroupedMXFP8Matmul.apply(a, weight.transpose(-2, -1), offs, self.mxfp8_kernel_preference).to(a.dtype)
 
 
 def is_mxfp8_experts(module: nn.Module) -> bool:
     """Whether ``module`` is grouped experts converted by :class:`MXFP8GroupedExpertsConverter`."""
-    return type(module) in _MXFP8_EXPERTS.values()
+    return isinstance(module, _MXFP8Experts)
 
 
 class MXFP8GroupedExpertsConverter(QuantizationConverter):
@@ -779,24 +1043,9 @@ class MXFP8GroupedExpertsConverter(QuantizationConverter):
                                                   "MXFP8 grouped GEMMs")
 
     def convert(self, model: nn.Module) -> list[str]:
-        from torchtitan_spmd.models.moe import GroupedExperts
-
-        converted = []
-        for fqn, module in model.named_modules():
-            if not isinstance(module, GroupedExperts):
-                continue
-            hidden, dim = module.w1.shape[1], module.w1.shape[2]
-            if dim % MXFP8_BLOCK or hidden % MXFP8_BLOCK:
-                raise ValueError(f"MXFP8GroupedExpertsConverter: {fqn} has dim {dim} and hidden dim {hidden}; "
-                                 f"MXFP8 needs both multiples of {MXFP8_BLOCK}.")
-            module.__class__ = _mxfp8_experts_class(type(module))
-            module.mxfp8_kernel_preference = self.kernel_preference
-            module.mxfp8_pad_multiple = self.config.pad_multiple
-            module.mxfp8_hidden_dim = hidden
-            converted.append(fqn)
-        if not converted:
-            raise ValueError("MXFP8GroupedExpertsConverter: the model has no MoE experts to convert.")
-        return converted
+        return _convert_experts("MXFP8GroupedExpertsConverter", model, MXFP8_BLOCK, _MXFP8Experts, "MXFP8",
+                                quant_pad_multiple=self.config.pad_multiple,
+                                mxfp8_kernel_preference=self.kernel_preference)
 
 
 # ----------------------------------------------------------------------------- needing newer GPUs
@@ -826,11 +1075,7 @@ def _needing_newer_gpu(name: str, config: type[QuantizationConverterConfig],
 
 #: Upstream's converters this library accepts by name only: (name, config, needs).
 _NEWER_GPU = (
-    ("Float8GroupedExpertsConverter", Float8GroupedExpertsConverterConfig,
-     ("float8 MoE training", (8, 9), "float8 grouped GEMMs (not emulated)",
-      "float8 grouped GEMMs of the experts are not built in this library yet (the dense linears are: "
-      "Float8LinearConverter)")),
     ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
      ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
 )
-Float8GroupedExpertsConverter, NVFP4LinearConverter = (_needing_newer_gpu(*row) for row in _NEWER_GPU)
+(NVFP4LinearConverter,) = (_needing_newer_gpu(*row) for row in _NEWER_GPU)

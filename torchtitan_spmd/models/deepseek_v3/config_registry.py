@@ -57,8 +57,8 @@ def deepseek_v3_671b() -> JobConfig:
 def deepseek_v3_671b_float8() -> JobConfig:
     """Upstream's (b5bcd76; a0c831c49's ``deepseek_v3_671b`` listed the same converters): the 671B
     recipe with its dense linears in float8 but the output and the routers' gates, and float8
-    grouped GEMMs for the experts (an SM89+ GPU; the grouped GEMMs are not built here: a setup error
-    naming them)."""
+    grouped GEMMs for the experts (an SM89+ GPU: torchao's ``_Float8GroupedMM``, the experts whole on
+    their ranks; experts whose hidden dim tensor parallelism shards are a setup error there)."""
     job = deepseek_v3_671b()
     compiled = job.compile.enable and "model" in job.compile.components
     job.model_spec = model_registry("671B", converters=[
