@@ -570,6 +570,38 @@ def test_float8_experts_match_torchao_on_one_process() -> None:
     assert not torch.allclose(grads[0][w1], grads[2][w1], rtol=1e-2, atol=0)
 
 
+def test_float8_experts_pad_each_group_to_16_for_the_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao's float8 grouped GEMM needs every expert's group a multiple of 16 rows (upstream pads
+    in its token dispatcher): uneven groups reach each GEMM padded with zero rows, and the rows
+    come back in their order, equal to the unpadded per-expert matmuls'."""
+    from float8_helpers import torchao_float8_matmul
+
+    from torchtitan_spmd.models.moe import GroupedExperts
+    from torchtitan_spmd.techniques import quantization
+
+    experts = nn.ModuleDict({"experts": GroupedExperts(32, 32, 3)})
+    convert_model(experts, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
+    module = experts["experts"]
+    with torch.no_grad():
+        for w in (module.w1, module.w2, module.w3):
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    seen: list[tuple[list[int], int]] = []
+    real = quantization._GroupedFloat8Matmul.apply
+
+    def spy(a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, *rest: Any) -> torch.Tensor:
+        seen.append((offs.tolist(), a.shape[0]))
+        return real(a, weight_t, offs, *rest)
+
+    monkeypatch.setattr(quantization._GroupedFloat8Matmul, "apply", spy)
+    x = torch.randn(5 + 0 + 19, 32, generator=torch.Generator().manual_seed(2))
+    out = module.expert_outputs(x, torch.tensor([5, 0, 19]))
+    assert seen == [([16, 16, 48], 48)] * 3
+    mm = torchao_float8_matmul()
+    want = torch.cat([mm(torch.nn.functional.silu(mm(r, module.w1[e])) * mm(r, module.w3[e]), module.w2[e])
+                      for e, r in ((0, x[:5]), (2, x[5:]))])
+    assert torch.equal(out, want)
+
+
 def _operands(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``a`` [32, 32] in two experts' groups of 16, weights ``w`` [2, 32, 32] (nn.Linear's
     layout), an output gradient ``g`` [32, 32], with the half of the hidden dim that tp rank 1 holds

@@ -73,9 +73,8 @@ def test_float8_experts_type_checked_match_torchaos_single_process_model(cell: s
     """The tiny MoE's experts in float8 rowwise (emulated), type-checked: under TP each scale along
     the sharded hidden dim reduced by a typed all-gather (``R@tp``) and taken into the grouped
     GEMM's type rule with its operand, against the same MoE on one process looping over torchao's
-    float8 linear matmul (tolerances: layer 3). The representation types the experts' hidden
-    shards as varying (``V@tp``), not as a partition of one dim, so the checker cannot tell a
-    shard-local scale from the unsharded one: layer 3's per-scale test catches a dropped reduction."""
+    float8 linear matmul (tolerances: layer 3). A dropped reduction:
+    :func:`test_type_checker_catches_a_dropped_amax_reduction`."""
     from float8_helpers import F8_TOL, MX_EXPERTS_SHARDED_TOL
 
     parallelism = ({"data_parallel_shard_degree": 4} if cell == "fsdp4" else
@@ -91,9 +90,10 @@ def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tm
     check_lora(tmp_path, "spmd_types", float8=True, spmd_typechecking=True)
 
 
-def _dropped_amax_step(rank: int, world: int, cfg: Any) -> str | None:
-    """One type-checked step with every float8 linear's amax reduction over tp dropped (the plant:
-    each rank scales by the amax of its own shard); the checker's first line, or None."""
+def _dropped_amax_step(rank: int, world: int, cfg: Any, experts: bool) -> str | None:
+    """One type-checked step with every float8 linear's (``experts``: every float8 grouped experts')
+    amax reduction over tp dropped (the plant: each rank scales by the amax of its own shard); the
+    checker's first line, or None."""
     from spmd_types import SpmdTypeError
 
     from torchtitan_spmd.techniques import quantization
@@ -102,14 +102,16 @@ def _dropped_amax_step(rank: int, world: int, cfg: Any) -> str | None:
     trainer = Trainer(cfg)
     dropped = 0
     for module in trainer.model.modules():
-        if isinstance(module, quantization.Float8Linear) and module.amax_reduce is not None:
+        which = quantization.is_float8_experts(module) if experts else isinstance(module, quantization.Float8Linear)
+        if which and module.amax_reduce is not None:
             def local_only(amax: torch.Tensor, dim: int | None = None) -> torch.Tensor:
                 return amax
 
             local_only.local_amax = module.amax_reduce.local_amax  # type: ignore[attr-defined]
             module.amax_reduce = local_only
             dropped += 1
-    assert dropped == 15, dropped  # 2 blocks x (wq, wk, wv, wo, w1, w2, w3), and the output
+    # 2 blocks x (wq, wk, wv, wo, w1, w2, w3), and the output; or the tiny MoE's 2 blocks' experts
+    assert dropped == (2 if experts else 15), dropped
     try:
         trainer.step(1)
     except SpmdTypeError as err:
@@ -117,20 +119,25 @@ def _dropped_amax_step(rank: int, world: int, cfg: Any) -> str | None:
     return None
 
 
-def test_type_checker_catches_a_dropped_amax_reduction() -> None:
+@pytest.mark.parametrize("experts", [False, True], ids=["linears", "experts"])
+def test_type_checker_catches_a_dropped_amax_reduction(experts: bool) -> None:
     """The plant the checker exists for: float8 scales taken over a rank's shard of a tp-sharded
     axis (no max over tp). Untyped, that trains with wrong scales (the losses barely show it:
-    layer 3's per-scale test does); type-checked, it is an ``SpmdTypeError`` at the first row-wise
-    float8 matmul, whose pending sum over tp the varying scales would multiply."""
+    layer 3's per-scale tests do); type-checked, it is an ``SpmdTypeError`` at the first row-wise
+    float8 matmul (``experts``: the experts' ``w2`` grouped GEMM), whose pending sum over tp the
+    varying scales would multiply."""
     from float8_helpers import float8_job
     from parity_helpers import warm_parent
 
-    from torchtitan_spmd.config.converters import Float8LinearConverterConfig
+    from torchtitan_spmd.config.converters import Float8GroupedExpertsConverterConfig, Float8LinearConverterConfig
     from torchtitan_spmd.launcher import run_forked
 
     warm_parent()
-    cfg = float8_job("spmd_types", [Float8LinearConverterConfig(emulate=True)],
-                     parallelism={"tensor_parallel_degree": 2}, steps=1, spmd_typechecking=True)
-    errors = run_forked(_dropped_amax_step, 2, cfg, timeout_s=120)
+    converter = Float8GroupedExpertsConverterConfig(emulate=True) if experts else Float8LinearConverterConfig(emulate=True)
+    cfg = float8_job("spmd_types", [converter], parallelism={"tensor_parallel_degree": 2}, steps=1,
+                     model="qwen3" if experts else "llama3", spmd_typechecking=True)
+    errors = run_forked(_dropped_amax_step, 2, cfg, experts, timeout_s=120)
     assert errors[0] is not None and errors == [errors[0]] * 2, errors
-    assert "shards both 'k' and 'z' in 'bsk,kn,bsz,zn->bsn'" in errors[0], errors[0]
+    want = ("w2 contracts the hidden dim sharded over" if experts else
+            "shards both 'k' and 'z' in 'bsk,kn,bsz,zn->bsn'")
+    assert want in errors[0], errors[0]

@@ -824,13 +824,26 @@ class _GroupedFloat8Matmul(torch.autograd.Function):
         return _per_group_mm(_dequantized(a, scale_a), _dequantized(weight_t, scale_w), offs)
 
     @staticmethod
-    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any, scale_a: Any, scale_w: Any) -> Any:
+    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any, scale_a: Any, scale_w: Any, tp_dim: str | None) -> Any:
         """Each row through one expert's matmul, multilinear in the rows, the weights and their
-        scales (the dequantisation multiplies by both). The experts' hidden shards are typed
-        varying over tp (not as a partition of the contracted dim), so this rule cannot tell a
-        shard-local scale from a reduced one; the reductions are tested on real ranks instead."""
-        from spmd_types import rules
+        scales (the dequantisation multiplies by both). Inside the experts' local region a shard of
+        the hidden dim is typed varying (V), not as a partition of one dim, so the einsum alone
+        cannot see that ``w2`` (``tp_dim="k"``) contracts a sharded dim: on every axis where its
+        weights vary (tp alone: tp-sharded experts run without expert parallelism), both scales
+        must be the same on every rank (R or I), which only their typed reduction over tp makes
+        them; a shard-local amax leaves them V (SpmdTypeError)."""
+        from spmd_types import SpmdTypeError, rules
 
+        if tp_dim == "k":
+            for axis, typ in rules.get_local_type(weight_t).items():
+                if typ is not rules.V:
+                    continue
+                for name, scale in (("rows'", scale_a), ("weights'", scale_w)):
+                    got = rules.get_local_type(scale).get(axis)
+                    if got not in (rules.R, rules.I):
+                        raise SpmdTypeError(f"Float8 grouped experts: w2 contracts the hidden dim sharded over "
+                                            f"{axis}, and its {name} scales are {got} there: an amax not "
+                                            "reduced over tp (each rank would scale its shard alone).")
         _check_offsets_typed("Float8 grouped experts", a, offs)
         return rules.einsum("mk,ekn,mz,ezn->mn", a, weight_t, scale_a, scale_w)
 
