@@ -129,7 +129,10 @@ def test_type_checker_catches_a_dropped_amax_reduction(experts: bool) -> None:
     from float8_helpers import float8_job
     from parity_helpers import warm_parent
 
-    from torchtitan_spmd.config.converters import Float8GroupedExpertsConverterConfig, Float8LinearConverterConfig
+    from torchtitan_spmd.config.converters import (
+        Float8GroupedExpertsConverterConfig,
+        Float8LinearConverterConfig,
+    )
     from torchtitan_spmd.launcher import run_forked
 
     warm_parent()
