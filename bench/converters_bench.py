@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/converters_bench.py curves --flavor tiny --steps 50
     PYTHONPATH=. python bench/converters_bench.py curves --flavor debugmodel --configs fp32 mxfp8
+    PYTHONPATH=. python bench/converters_bench.py curves --model qwen3 --flavor moe_tiny --configs fp32 float8_experts float8_moe
     PYTHONPATH=. python bench/converters_bench.py time --flavor debugmodel --steps 8
     PYTHONPATH=. python bench/converters_bench.py memory --flavor debugmodel
     PYTHONPATH=. python bench/converters_bench.py gpu [--dim 4096 --tokens 8192 --layers 4]
@@ -10,7 +11,8 @@
 wk, wv, wo) and float8 + LoRA, under each backend; prints each run's losses and the largest
 relative loss gap after step 10 of float8 (and MXFP8, emulated: ``--configs`` picks the runs; the
 tiny model's ``wk``/``wv`` are too narrow for MXFP8 under tp 2, so MXFP8 curves use the debug model)
-against fp32 and of float8 + LoRA against LoRA.
+against fp32 and of float8 + LoRA against LoRA; on an MoE (``--model qwen3 --flavor moe_tiny``)
+the experts in float8 (``float8_experts``) and the experts and dense linears (``float8_moe``).
 ``time``: the mean step time (steps 3..N) of fp32, float8 emulated and MXFP8 emulated, side by side
 in one process tree (``default``). ``memory``: the AdamW state bytes of LoRA against full fine-tuning (two fp32
 moments per trainable parameter), from the model built on the meta device.
@@ -19,7 +21,9 @@ of bf16 linears, torchao's own ``Float8Linear`` (rowwise, real ``_scaled_mm``) a
 library's (``Float8LinearConverter``, the operand-by-operand matmul): the largest output and weight
 gradient difference (the same casts: expected 0), and eager forward + backward times of bf16,
 torchao's float8 and the library's float8. On an SM100+ GPU (or emulated) the same for MXFP8:
-torchao's ``MXFP8Linear`` against the library's (``MXFP8LinearConverter``).
+torchao's ``MXFP8Linear`` against the library's (``MXFP8LinearConverter``). Then 8 grouped experts
+in float8 (``Float8GroupedExpertsConverter``): on the GPU against torchao's own
+``_to_fp8_rowwise_then_scaled_grouped_mm``, and their times against high precision.
 """
 
 from __future__ import annotations
@@ -39,20 +43,25 @@ from torchtitan_spmd.config.converters import (
 from torchtitan_spmd.launcher import run_forked
 
 FLOAT8 = Float8LinearConverterConfig(emulate=True)
+FLOAT8_EXPERTS = Float8GroupedExpertsConverterConfig(emulate=True)
 LORA = LoRAConverterConfig(rank=8, alpha=16.0, target_modules=["wq", "wkv", "wo"])
 MXFP8 = MXFP8LinearConverterConfig(emulate=True)
 CONFIGS: dict[str, list[Any]] = {"fp32": [], "float8": [FLOAT8], "lora": [LORA], "float8_lora": [FLOAT8, LORA],
-                                 "mxfp8": [MXFP8]}
+                                 "mxfp8": [MXFP8], "float8_experts": [FLOAT8_EXPERTS],
+                                 "float8_moe": [FLOAT8, FLOAT8_EXPERTS]}
+#: The small flavours (local batch 2 x 32 tokens, lr 3e-3); the others: 4 x 256, lr 8e-4.
+SMALL = ("tiny", "moe_tiny")
 
 
-def job(backend: str, flavor: str, steps: int, converters: list[Any]) -> JobConfig:
+def job(backend: str, flavor: str, steps: int, converters: list[Any], model: str = "llama3") -> JobConfig:
+    small = flavor in SMALL
     cfg = JobConfig.from_dict({
-        "model": {"name": "llama3", "flavor": flavor},
-        "training": {"steps": steps, "local_batch_size": 2 if flavor == "tiny" else 4,
-                     "seq_len": 32 if flavor == "tiny" else 256, "mixed_precision_param": "float32",
+        "model": {"name": model, "flavor": flavor},
+        "training": {"steps": steps, "local_batch_size": 2 if small else 4,
+                     "seq_len": 32 if small else 256, "mixed_precision_param": "float32",
                      "max_norm": 1.0},
         "activation_checkpoint": {"mode": "none"},
-        "optimizer": {"lr": 3e-3 if flavor == "tiny" else 8e-4},
+        "optimizer": {"lr": 3e-3 if small else 8e-4},
         "lr_scheduler": {"warmup_steps": 2},
         "parallelism": {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "spmd_backend": backend},
         "debug": {"seed": 0},
@@ -80,13 +89,14 @@ def gap(a: list[float], b: list[float], after: int = 10) -> float:
 
 
 #: (run, its baseline) pairs whose loss gap ``curves`` prints, where both ran.
-GAPS = (("float8", "fp32"), ("mxfp8", "fp32"), ("float8_lora", "lora"))
+GAPS = (("float8", "fp32"), ("mxfp8", "fp32"), ("float8_lora", "lora"), ("float8_experts", "fp32"),
+        ("float8_moe", "fp32"))
 
 
-def curves(flavor: str, steps: int, backends: list[str], configs: list[str]) -> dict[str, Any]:
+def curves(flavor: str, steps: int, backends: list[str], configs: list[str], model: str = "llama3") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for backend in backends:
-        runs = {name: run_forked(_run, 4, job(backend, flavor, steps, CONFIGS[name]), timeout_s=1800)[0]["losses"]
+        runs = {name: run_forked(_run, 4, job(backend, flavor, steps, CONFIGS[name], model), timeout_s=1800)[0]["losses"]
                 for name in configs}
         out[backend] = {"losses": runs, **{f"{a}_vs_{b}": gap(runs[a], runs[b]) for a, b in GAPS
                                            if a in runs and b in runs}}
@@ -291,6 +301,7 @@ def _float8_experts_probe(dim: int, tokens: int, emulate: bool, iters: int, devi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["curves", "time", "memory", "gpu"])
+    parser.add_argument("--model", default="llama3", help="curves: the family (qwen3 with --flavor moe_tiny: an MoE)")
     parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--backends", nargs="+", default=["default", "full_dtensor", "spmd_types"])
@@ -303,7 +314,7 @@ def main() -> None:
     if args.what == "gpu":
         gpu_probe(args.dim, args.tokens, args.layers, args.emulate)
     elif args.what == "curves":
-        curves(args.flavor, args.steps, args.backends, args.configs)
+        curves(args.flavor, args.steps, args.backends, args.configs, args.model)
     elif args.what == "time":
         step_time(args.flavor, args.steps)
     else:

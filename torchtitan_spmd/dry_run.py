@@ -765,6 +765,8 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
     from torchtitan_spmd.techniques.fsdp import clear_dtensor_sharding_caches  # noqa: PLC0415
     from torchtitan_spmd.techniques.loss import cross_entropy_loss  # noqa: PLC0415
     from torchtitan_spmd.techniques.moe import moe_blocks  # noqa: PLC0415
+    from torchtitan_spmd.techniques.pipeline_parallel import part_plan  # noqa: PLC0415
+    from torchtitan_spmd.techniques.quantization import targets_optional  # noqa: PLC0415
 
     pd, rep, seq = setup.parallel_dims, setup.representation, job_config.training.seq_len
     dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param] if pd.dp_shard * pd.cp > 1 else torch.float32
@@ -779,12 +781,15 @@ def _counted_comm(job_config: JobConfig, setup: Any, batch: int, axes: dict[str,
         config = dataclasses.replace(setup.model_config, n_layers=layers)
         with torch.device("meta"):
             model = setup.model_spec.build(config).to(dtype)  # FSDP's param_dtype: activations in it
-        convert_model(model, build_converters(job_config.model.converters, dry_run=True))  # as compose_model: the plan names them
+        with targets_optional():  # as compose_model: the plan names them (a cut-down model may hold no experts)
+            convert_model(model, build_converters(job_config.model.converters, dry_run=True))
         for block in moe_blocks(model):
             block.forward = lambda x: x * 1.0  # type: ignore[method-assign]
         context_parallel = ContextParallel.from_config(job_config, pd)
         apply_context_parallel(model, setup.plan, context_parallel)
-        apply_plan(model, setup.plan, rep)
+        # the plan's patterns this copy holds: DeepSeek-V3's first blocks are dense, so a one- or
+        # two-block copy has no MoE for the plan's MoE patterns to match
+        apply_plan(model, part_plan(setup.plan, model), rep)
         apply_ac(model, job_config.activation_checkpoint)
         tokens = torch.zeros(batch, seq // pd.cp, dtype=torch.long, device="meta")
         x, y = prepare_inputs(tokens, tokens, rep)

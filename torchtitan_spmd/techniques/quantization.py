@@ -75,6 +75,7 @@ __all__ = [
     "is_mxfp8_experts",
     "has_cuda_capability",
     "import_torchao_float8",
+    "targets_optional",
 ]
 
 #: The extra that installs torchao (the one spelling every setup error names).
@@ -140,6 +141,29 @@ def hardware_checks_off() -> Iterator[None]:
         yield
     finally:
         _HARDWARE_CHECKS.pop()
+
+
+#: Off while the dry run converts its one- and two-block models (:func:`targets_optional`): a
+#: DeepSeek-V3's first blocks are dense, so they hold no experts a converter could find.
+_TARGETS_REQUIRED = [True]
+
+
+@contextlib.contextmanager
+def targets_optional() -> Iterator[None]:
+    """Within it, a converter that finds nothing to convert (no experts, no linear its ``fqns``
+    names) converts nothing instead of raising: for models cut down from the job's (the dry run)."""
+    _TARGETS_REQUIRED.append(False)
+    try:
+        yield
+    finally:
+        _TARGETS_REQUIRED.pop()
+
+
+def _name_list(names: list[str], limit: int = 3) -> str:
+    """``names`` joined by commas, past ``limit`` the first ones and how many more (one short line)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
 
 
 def _needs_sm(converter: str, major: int, minor: int, what: str) -> None:
@@ -631,7 +655,7 @@ class MXFP8LinearConverter(QuantizationConverter):
             new.bias = module.bias
             _set_submodule(model, fqn, new)
             converted.append(fqn)
-        if self.fqns and not converted:
+        if self.fqns and not converted and _TARGETS_REQUIRED[-1]:
             raise ValueError(f"MXFP8LinearConverter.Config.fqns: {self.config.fqns} name no linear of the model.")
         return converted
 
@@ -661,7 +685,7 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
         bound += dim is not None
     if split:
         raise ValueError(f"MXFP8: tensor parallelism splits MXFP8's blocks of {MXFP8_BLOCK} in "
-                         f"{', '.join(split)}: leave them out of MXFP8LinearConverter.Config.fqns (experts: drop "
+                         f"{_name_list(split)}: leave them out of MXFP8LinearConverter.Config.fqns (experts: drop "
                          "MXFP8GroupedExpertsConverter) or lower parallelism.tensor_parallel_degree.")
     return bound
 
@@ -754,7 +778,7 @@ def _convert_experts(converter: str, model: nn.Module, multiple: int, mixin: typ
         for key, value in attributes.items():
             setattr(module, key, value)
         converted.append(fqn)
-    if not converted:
+    if not converted and _TARGETS_REQUIRED[-1]:
         raise ValueError(f"{converter}: the model has no MoE experts to convert.")
     return converted
 
@@ -938,10 +962,10 @@ def bind_float8_experts(model: nn.Module, state_layouts: dict[str, Any], tp: int
         bound += sharded
     if split:
         raise ValueError(f"Float8GroupedExpertsConverter: tensor parallelism shards the experts' hidden dim into "
-                         f"no multiple of {FLOAT8_GROUP_MULTIPLE} in {', '.join(split)}: lower "
+                         f"no multiple of {FLOAT8_GROUP_MULTIPLE} in {_name_list(split)}: lower "
                          "parallelism.tensor_parallel_degree or use expert parallelism.")
     if gpu:
-        raise ValueError(f"Float8GroupedExpertsConverter: tensor parallelism shards the hidden dim of {', '.join(gpu)}, "
+        raise ValueError(f"Float8GroupedExpertsConverter: tensor parallelism shards the hidden dim of {_name_list(gpu)}, "
                          "and torchao's float8 grouped kernels would scale each shard alone (not the recipe's "
                          "rowwise scales): use expert parallelism for the experts (parallelism."
                          "expert_parallel_degree, expert_tensor_parallel_degree 1) or emulate=True.")
