@@ -159,7 +159,7 @@ def targets_optional() -> Iterator[None]:
         _TARGETS_REQUIRED.pop()
 
 
-def _name_list(names: list[str], limit: int = 3) -> str:
+def _name_list(names: list[str], limit: int = 8) -> str:
     """``names`` joined by commas, past ``limit`` the first ones and how many more (one short line)."""
     if len(names) <= limit:
         return ", ".join(names)
@@ -796,12 +796,12 @@ def _float8_rowwise_cast() -> Any:
     return float8.Float8LinearConfig.from_recipe_name("rowwise").cast_config_input
 
 
-def _dequantized(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``t`` cast to e4m3 with ``scale`` and back, in float32: torchao's cast
-    (``hp_tensor_and_scale_to_float8``) and its emulated matmul's dequantisation (``data / scale``)."""
+def _dequantized(t: torch.Tensor, scale: torch.Tensor, cast: Any) -> torch.Tensor:
+    """``t`` cast to ``cast``'s float8 dtype (e4m3) with ``scale`` and back, in float32: torchao's
+    cast (``hp_tensor_and_scale_to_float8``) and its emulated matmul's dequantisation (``data / scale``)."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
-    return to_fp8_saturated(t.float() * scale, torch.float8_e4m3fn).float() / scale
+    return to_fp8_saturated(t.float() * scale, cast.target_dtype).float() / scale
 
 
 def _per_group_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -845,7 +845,7 @@ class _GroupedFloat8Matmul(torch.autograd.Function):
                 cast: Any) -> torch.Tensor:
         ctx.save_for_backward(a, weight_t, offs)
         ctx.tp_dim, ctx.reduce, ctx.cast = tp_dim, reduce, cast
-        return _per_group_mm(_dequantized(a, scale_a), _dequantized(weight_t, scale_w), offs)
+        return _per_group_mm(_dequantized(a, scale_a, cast), _dequantized(weight_t, scale_w, cast), offs)
 
     @staticmethod
     def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any, scale_a: Any, scale_w: Any, tp_dim: str | None) -> Any:
@@ -880,9 +880,10 @@ class _GroupedFloat8Matmul(torch.autograd.Function):
         # the input gradient: g [M, N] @ weight [E, N, K], both scaled along N (sharded in w1/w3)
         scale_g = _scale(g, cast, -1, n_sharded, reduce, True)
         scale_w = _scale(weight_t, cast, 2, 2 if ctx.tp_dim == "n" else None, reduce, True)
-        grad_a = _per_group_mm(_dequantized(g, scale_g), _dequantized(weight_t, scale_w).transpose(-2, -1), offs)
+        grad_a = _per_group_mm(_dequantized(g, scale_g, cast), _dequantized(weight_t, scale_w, cast).transpose(-2, -1),
+                               offs)
         # the weight gradient: a_e^T @ g_e per expert, both scaled per column over the expert's tokens
-        grad_w = torch.stack([(_dequantized(pa, sa).t() @ _dequantized(pg, sg)).to(torch.bfloat16)
+        grad_w = torch.stack([(_dequantized(pa, sa, cast).t() @ _dequantized(pg, sg, cast)).to(torch.bfloat16)
                               for (pa, sa), (pg, sg) in zip(_group_column_scales(a, offs, cast),
                                                             _group_column_scales(g, offs, cast), strict=True)])
         return grad_a, grad_w, None, None, None, None, None, None
@@ -892,7 +893,7 @@ class _TorchaoGroupedFloat8Matmul(torch.autograd.Function):
     """The GPU's float8 grouped GEMM: torchao's own ``_Float8GroupedMM`` (its Triton casts and
     ``torch._scaled_grouped_mm``, products in bfloat16, as upstream's ``Float8GroupedExperts``),
     with the type rule ``spmd_types``' checker needs. torchao scales each operand on this rank's
-    tensors, so it runs only where no scale spans a tp shard (:func:`bind_float8_shards`)."""
+    tensors, so it runs only where no scale spans a tp shard (:func:`bind_float8_experts`)."""
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -920,10 +921,10 @@ class _Float8Experts(_QuantizedExperts):
     """Grouped experts whose three grouped GEMMs are float8 rowwise (upstream's
     ``Float8GroupedExperts``): torchao's ``_Float8GroupedMM`` on the GPU, or emulated
     (:class:`_GroupedFloat8Matmul`, ``emulate=True``), whose scales along a tp-sharded hidden dim
-    are reduced over tp (``amax_reduce``, set by :func:`bind_float8_shards`)."""
+    are reduced over tp (``amax_reduce``, set by :func:`bind_float8_experts`)."""
 
     float8_emulate: bool = False
-    float8_tp_sharded: bool = False  # the hidden dim sharded over tp (bind_float8_shards)
+    float8_tp_sharded: bool = False  # the hidden dim sharded over tp (bind_float8_experts)
     amax_reduce: Callable[..., torch.Tensor] | None = None
 
     def _quantized_mm(self, a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
@@ -942,7 +943,7 @@ def bind_float8_experts(model: nn.Module, state_layouts: dict[str, Any], tp: int
                         amax_reduce: Callable[..., torch.Tensor] | None) -> int:
     """Tell each float8 grouped-experts module whether the plan shards its hidden dim over ``tp``
     (``tp``: the degree, 1 without tensor parallelism) and the ``max`` over ``tp`` its emulated
-    scales reduce with; the number so sharded. One-line ValueError, naming them all, where a shard
+    scales reduce with; the number so sharded. One-line ValueError naming them where a shard
     of the hidden dim is no multiple of 16 (torchao's alignment), or where the GPU's kernels
     (``emulate=False``) would scale the shards alone."""
     from torchtitan_spmd.distributed.apply_plan import plain_fqn
@@ -989,7 +990,7 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
 
     Under tensor parallelism (the hidden dim sharded) the emulated GEMMs reduce every scale along
     the hidden dim over tp; torchao's GPU kernels scale each shard alone, so on the GPU that
-    layout is a setup error (:func:`bind_float8_shards`), where upstream silently scales per shard.
+    layout is a setup error (:func:`bind_float8_experts`), where upstream silently scales per shard.
     """
 
     Config: ClassVar[type[Float8GroupedExpertsConverterConfig]] = Float8GroupedExpertsConverterConfig
