@@ -164,6 +164,11 @@ def torchao_mxfp8_experts(model: torch.nn.Module) -> int:
 
         return mm(F.silu(mm(x, experts.w1)) * mm(x, experts.w3), experts.w2)
 
+    return _swap_expert_outputs(model, expert_outputs)
+
+
+def _swap_expert_outputs(model: torch.nn.Module, expert_outputs: Any) -> int:
+    """Every grouped-experts module of ``model`` computing ``expert_outputs(module, x, counts)``; how many."""
     swapped = 0
     for module in model.modules():
         if type(module).__name__ == "GroupedExperts":
@@ -215,12 +220,7 @@ def torchao_float8_experts(model: torch.nn.Module) -> int:
                 for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
         return torch.cat(outs) if outs else x.new_zeros(0, experts.w2.shape[1])
 
-    swapped = 0
-    for module in model.modules():
-        if type(module).__name__ == "GroupedExperts":
-            module.expert_outputs = functools.partial(expert_outputs, module)
-            swapped += 1
-    return swapped
+    return _swap_expert_outputs(model, expert_outputs)
 
 
 @functools.cache

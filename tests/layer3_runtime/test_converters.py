@@ -422,35 +422,43 @@ def _moe_tiny() -> nn.Module:
         return spec.build(spec.model_config("moe_tiny"))
 
 
-def test_mxfp8_experts_convert_and_refuse_in_one_line() -> None:
-    from torchtitan_spmd.config.converters import check_converters
+@pytest.mark.parametrize(("config", "prefix", "multiple"), [
+    (MXFP8GroupedExpertsConverterConfig, "MXFP8", 32), (Float8GroupedExpertsConverterConfig, "Float8", 16)])
+def test_quantized_experts_convert_and_refuse_in_one_line(config: Any, prefix: str, multiple: int) -> None:
     from torchtitan_spmd.models.moe import GroupedExperts
-
-    model = _moe_tiny()
-    done = convert_model(model, build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True)]))
-    assert done == {"MXFP8GroupedExpertsConverter": ["layers.0.moe.experts", "layers.1.moe.experts"]}
-    assert type(model.get_submodule("layers.1.moe.experts")).__name__ == "MXFP8GroupedExperts"
     from torchtitan_spmd.techniques.converters import converted_counts
 
+    name, kind = config.converter, prefix.lower()
+    model = _moe_tiny()
+    done = convert_model(model, build_converters([config(emulate=True)]))
+    assert done == {name: ["layers.0.moe.experts", "layers.1.moe.experts"]}
+    assert type(model.get_submodule("layers.1.moe.experts")).__name__ == f"{prefix}GroupedExperts"
     counts = converted_counts(model)
-    assert counts["mxfp8_experts"] == 2 and counts["mxfp8_expert_weight_numel"] == 2 * 3 * 8 * 64 * 64
+    assert counts[f"{kind}_experts"] == 2 and counts[f"{kind}_expert_weight_numel"] == 2 * 3 * 8 * 64 * 64
+    assert {k for k in counts if k.endswith("_experts")} == {f"{kind}_experts"}
+    with pytest.raises(ValueError) as err:
+        convert_model(_tiny(), build_converters([config(emulate=True)]))
+    assert f"{name}: the model has no MoE experts" in _one_line(err.value)
+    with torch.device("meta"):
+        narrow = nn.ModuleDict({"experts": GroupedExperts(64, multiple + 8, 2)})
+    with pytest.raises(ValueError) as err:
+        convert_model(narrow, build_converters([config(emulate=True)]))
+    assert (f"experts has dim 64 and hidden dim {multiple + 8}; {prefix} grouped GEMMs need both multiples "
+            f"of {multiple}") in _one_line(err.value)
+    with pytest.raises(ValueError) as err:
+        build_converters([config(emulate=True, model_compile_enabled=True)])
+    assert "emulate=True is for eager mode" in _one_line(err.value)
+
+
+def test_mxfp8_experts_fields_are_checked_in_one_line() -> None:
+    from torchtitan_spmd.config.converters import check_converters
+
     for bad, text in ((MXFP8GroupedExpertsConverterConfig(pad_multiple=48), "pad_multiple: expected a positive "
                        "multiple of 32"),
                       (MXFP8GroupedExpertsConverterConfig(recipe_name="mxfp8_floor"), "recipe_name: invalid value")):
         with pytest.raises(ValueError) as err:
             check_converters([bad])
         assert text in _one_line(err.value)
-    with pytest.raises(ValueError) as err:
-        convert_model(_tiny(), build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True)]))
-    assert "has no MoE experts" in _one_line(err.value)
-    with torch.device("meta"):
-        narrow = nn.ModuleDict({"experts": GroupedExperts(64, 48, 2)})
-    with pytest.raises(ValueError) as err:
-        convert_model(narrow, build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True)]))
-    assert "experts has dim 64 and hidden dim 48" in _one_line(err.value)
-    with pytest.raises(ValueError) as err:
-        build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True, model_compile_enabled=True)])
-    assert "emulate=True is for eager mode" in _one_line(err.value)
 
 
 def test_mxfp8_experts_pad_each_group_apart() -> None:
@@ -461,22 +469,27 @@ def test_mxfp8_experts_pad_each_group_apart() -> None:
     assert where.tolist() == list(range(5)) + list(range(32, 72)) + list(range(96, 115))
 
 
-def test_mxfp8_experts_match_torchao_on_one_process() -> None:
-    """The converted tiny MoE's loss and every gradient equal those of the same MoE whose experts
-    call torchao's own ``_quantize_then_scaled_grouped_mm`` (torchao padding the groups), bit for
-    bit, and differ from high precision."""
-    from float8_helpers import torchao_mxfp8_experts
+@pytest.mark.parametrize(("config", "judge"), [
+    (MXFP8GroupedExpertsConverterConfig, "torchao_mxfp8_experts"),
+    (Float8GroupedExpertsConverterConfig, "torchao_float8_experts")], ids=["mxfp8", "float8"])
+def test_quantized_experts_match_torchao_on_one_process(config: Any, judge: str) -> None:
+    """The converted tiny MoE's loss and every gradient equal, bit for bit, those of the same MoE
+    whose experts call torchao: MXFP8, its own ``_quantize_then_scaled_grouped_mm`` (torchao
+    padding the groups); float8, a loop over its own float8 linear matmul (rowwise, emulated;
+    products and gradients in bfloat16, as its grouped GEMM), torchao 0.18's float8 grouped GEMM
+    being Triton only. Both differ from high precision."""
+    import float8_helpers
 
     from torchtitan_spmd.models import get_model_spec
 
     spec = get_model_spec("qwen3")
-    ours, judge, plain = (spec.build_initialized("moe_tiny", seed=0, vocab_size=320, max_seq_len=64)
-                          for _ in range(3))
-    convert_model(ours, build_converters([MXFP8GroupedExpertsConverterConfig(emulate=True)]))
-    assert torchao_mxfp8_experts(judge) == 2
+    ours, theirs, plain = (spec.build_initialized("moe_tiny", seed=0, vocab_size=320, max_seq_len=64)
+                           for _ in range(3))
+    convert_model(ours, build_converters([config(emulate=True)]))
+    assert getattr(float8_helpers, judge)(theirs) == 2
     tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
     grads = []
-    for model in (ours, judge, plain):
+    for model in (ours, theirs, plain):
         model(tokens).pow(2).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
@@ -522,54 +535,6 @@ def test_mxfp8_experts_match_torchaos_single_process_model(cell: str) -> None:
 
 
 # ----------------------------------------------------------------------------- float8 grouped experts
-def test_float8_experts_convert_and_refuse_in_one_line() -> None:
-    from torchtitan_spmd.models.moe import GroupedExperts
-    from torchtitan_spmd.techniques.converters import converted_counts
-
-    model = _moe_tiny()
-    done = convert_model(model, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
-    assert done == {"Float8GroupedExpertsConverter": ["layers.0.moe.experts", "layers.1.moe.experts"]}
-    assert type(model.get_submodule("layers.1.moe.experts")).__name__ == "Float8GroupedExperts"
-    counts = converted_counts(model)
-    assert counts["float8_experts"] == 2 and counts["float8_expert_weight_numel"] == 2 * 3 * 8 * 64 * 64
-    assert "mxfp8_experts" not in counts
-    with pytest.raises(ValueError) as err:
-        convert_model(_tiny(), build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
-    assert "Float8GroupedExpertsConverter: the model has no MoE experts" in _one_line(err.value)
-    with torch.device("meta"):
-        narrow = nn.ModuleDict({"experts": GroupedExperts(64, 40, 2)})
-    with pytest.raises(ValueError) as err:
-        convert_model(narrow, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
-    assert "experts has dim 64 and hidden dim 40; Float8 grouped GEMMs need both multiples of 16" in _one_line(err.value)
-    with pytest.raises(ValueError) as err:
-        build_converters([Float8GroupedExpertsConverterConfig(emulate=True, model_compile_enabled=True)])
-    assert "emulate=True is for eager mode" in _one_line(err.value)
-
-
-def test_float8_experts_match_torchao_on_one_process() -> None:
-    """The converted tiny MoE's loss and every gradient equal, bit for bit, those of the same MoE whose
-    experts loop over torchao's own float8 linear matmul (rowwise, emulated; products and
-    gradients in bfloat16, as torchao's grouped GEMM), and differ from high precision."""
-    from float8_helpers import torchao_float8_experts
-
-    from torchtitan_spmd.models import get_model_spec
-
-    spec = get_model_spec("qwen3")
-    ours, judge, plain = (spec.build_initialized("moe_tiny", seed=0, vocab_size=320, max_seq_len=64)
-                          for _ in range(3))
-    convert_model(ours, build_converters([Float8GroupedExpertsConverterConfig(emulate=True)]))
-    assert torchao_float8_experts(judge) == 2
-    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
-    grads = []
-    for model in (ours, judge, plain):
-        model(tokens).pow(2).mean().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name, grad in grads[0].items():
-        assert torch.equal(grad, grads[1][name]), name
-    w1 = "layers.0.moe.experts.w1"
-    assert not torch.allclose(grads[0][w1], grads[2][w1], rtol=1e-2, atol=0)
-
-
 def test_float8_experts_pad_each_group_to_16_for_the_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchao's float8 grouped GEMM needs every expert's group a multiple of 16 rows (upstream pads
     in its token dispatcher): uneven groups reach each GEMM padded with zero rows, and the rows
