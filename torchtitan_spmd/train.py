@@ -969,9 +969,12 @@ def _silenced(quiet: bool) -> Iterator[None]:
         yield
 
 
-#: How long a rank other than 0 waits before exiting after an error that rank 0 prints: torchrun
-#: stops the other ranks when the first one exits, and rank 0 must have printed by then.
-_PRINT_GRACE_S = 2.0
+#: The longest a rank other than 0 waits before exiting after an error that rank 0 prints: torchrun
+#: stops the other ranks when the first one exits, and rank 0 must have printed by then. Under
+#: torchrun the wait ends as soon as rank 0 exits (torchrun stops the rest), so a long bound costs
+#: nothing; 2 s lost the race once on a loaded 2-core CI machine (rank 0 not yet through its
+#: imports when rank 1 exited: no error box at all).
+_PRINT_GRACE_S = 30.0
 
 
 def _after_agreed_error() -> int:
