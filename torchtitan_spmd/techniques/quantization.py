@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -789,9 +790,11 @@ def _convert_experts(converter: str, model: nn.Module, multiple: int, mixin: typ
 FLOAT8_GROUP_MULTIPLE = 16
 
 
+@functools.cache
 def _float8_rowwise_cast() -> Any:
     """torchao's rowwise cast (e4m3, one scale per row along the scaled axis, power-of-two scales):
-    every operand of torchao's float8 grouped GEMMs (``_Float8GroupedMM``) is cast so."""
+    every operand of torchao's float8 grouped GEMMs (``_Float8GroupedMM``) is cast so. Built once
+    (every emulated grouped GEMM asks for it)."""
     float8 = import_torchao_float8("Float8GroupedExpertsConverter")
     return float8.Float8LinearConfig.from_recipe_name("rowwise").cast_config_input
 
@@ -804,14 +807,18 @@ def _dequantized(t: torch.Tensor, scale: torch.Tensor, cast: Any) -> torch.Tenso
     return to_fp8_saturated(t.float() * scale, cast.target_dtype).float() / scale
 
 
+def _groups(offs: torch.Tensor) -> list[slice]:
+    """Each expert's rows: the groups ending at ``offs``."""
+    ends = offs.tolist()
+    return [slice(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
 def _per_group_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Each row group of ``a`` (ending at ``offs``) times its expert's ``b[e]``, accumulated in
     float32, the product in bfloat16 (the scaled grouped GEMM's output dtype, as torchao's)."""
     out = a.new_empty(a.shape[0], b.shape[-1], dtype=torch.float32)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = a[start:end] @ b[e]
-        start = end
+    for e, rows in enumerate(_groups(offs)):
+        out[rows] = a[rows] @ b[e]
     return out.to(torch.bfloat16)
 
 
@@ -819,11 +826,9 @@ def _group_column_scales(t: torch.Tensor, offs: torch.Tensor, cast: Any) -> list
     """Each row group of ``t`` (ending at ``offs``) with its rowwise scales per column (``[1, cols]``):
     the weight gradient's casts scale along the tokens of one expert (torchao's per-group
     column-wise scales). An empty group's scales are 1 (they scale nothing)."""
-    bounds, out = [0, *offs.tolist()], []
-    for start, end in zip(bounds, bounds[1:], strict=False):
-        part = t[start:end]
-        out.append((part, _scale(part, cast, 0, None, None, True) if end > start else t.new_ones(1, t.shape[1])))
-    return out
+    parts = [t[rows] for rows in _groups(offs)]
+    return [(part, _scale(part, cast, 0, None, None, True) if part.shape[0] else t.new_ones(1, t.shape[1]))
+            for part in parts]
 
 
 class _GroupedFloat8Matmul(torch.autograd.Function):
@@ -889,37 +894,52 @@ class _GroupedFloat8Matmul(torch.autograd.Function):
         return grad_a, grad_w, None, None, None, None, None, None
 
 
-class _TorchaoGroupedFloat8Matmul(torch.autograd.Function):
-    """The GPU's float8 grouped GEMM: torchao's own ``_Float8GroupedMM`` (its Triton casts and
-    ``torch._scaled_grouped_mm``, products in bfloat16, as upstream's ``Float8GroupedExperts``),
-    with the type rule ``spmd_types``' checker needs. torchao scales each operand on this rank's
-    tensors, so it runs only where no scale spans a tp shard (:func:`bind_float8_experts`)."""
+class _TorchaoGroupedMatmul(torch.autograd.Function):
+    """Rows ``a`` ``[M, K]`` grouped by expert (groups ending at ``offs``) times their experts'
+    ``weight_t`` ``[E, K, N]`` through torchao's own grouped-GEMM Function ``grouped`` (its forward,
+    given ``args`` after the operands, and its backward): ``_Float8GroupedMM`` on the GPU (float8
+    rowwise) or ``_MXFP8GroupedMM`` (MXFP8), with the type rule ``spmd_types``' checker needs
+    (torchao's Functions have none). ``what`` names the experts in a type error.
+
+    torchao scales each operand on this rank's tensors: right for MXFP8, whose blocks of 32 a tp
+    shard never splits (:func:`bind_mxfp8_shards`), and for float8 only where no scale spans a tp
+    shard (:func:`bind_float8_experts`)."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-        from torchao.prototype.moe_training.fp8_grouped_mm import _Float8GroupedMM
-
-        ctx.grouped = _Float8GroupedMM
-        op = Float8TrainingOpConfig()
-        return _Float8GroupedMM.forward(ctx, a, weight_t, offs, op.out_dtype, op.float8_dtype, False)
+    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor, grouped: Any,
+                args: tuple[Any, ...], what: str) -> torch.Tensor:
+        ctx.grouped = grouped
+        return grouped.forward(ctx, a, weight_t, offs, *args)
 
     @staticmethod
-    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any) -> Any:
+    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any, what: str) -> Any:
+        """Each row through one expert's matmul: the types of ``a @ weight_t[e]``."""
         from spmd_types import rules
 
-        _check_offsets_typed("Float8 grouped experts", a, offs)
+        _check_offsets_typed(what, a, offs)
         return rules.einsum("mk,ekn->mn", a, weight_t)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad_a, grad_weight_t, *_ = ctx.grouped.backward(ctx, grad_output.contiguous())
-        return grad_a, grad_weight_t, None
+        return grad_a, grad_weight_t, None, None, None, None
+
+
+@functools.cache
+def _torchao_float8_grouped() -> tuple[Any, tuple[Any, ...]]:
+    """torchao's ``_Float8GroupedMM`` and its arguments after the operands, as upstream's
+    ``Float8TrainingOpConfig()`` gives them (products in bfloat16, torchao's float8 dtype, no
+    padding inside: the experts pad their groups). Built once."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.prototype.moe_training.fp8_grouped_mm import _Float8GroupedMM
+
+    op = Float8TrainingOpConfig()
+    return _Float8GroupedMM, (op.out_dtype, op.float8_dtype, False)
 
 
 class _Float8Experts(_QuantizedExperts):
     """Grouped experts whose three grouped GEMMs are float8 rowwise (upstream's
-    ``Float8GroupedExperts``): torchao's ``_Float8GroupedMM`` on the GPU, or emulated
+    ``Float8GroupedExperts``): torchao's ``_Float8GroupedMM`` on the GPU (:class:`_TorchaoGroupedMatmul`), or emulated
     (:class:`_GroupedFloat8Matmul`, ``emulate=True``), whose scales along a tp-sharded hidden dim
     are reduced over tp (``amax_reduce``, set by :func:`bind_float8_experts`)."""
 
@@ -931,7 +951,8 @@ class _Float8Experts(_QuantizedExperts):
                       contracts_hidden: bool) -> torch.Tensor:
         weight_t = weight.transpose(-2, -1)
         if not self.float8_emulate:
-            return _TorchaoGroupedFloat8Matmul.apply(a, weight_t, offs).to(a.dtype)
+            grouped, args = _torchao_float8_grouped()
+            return _TorchaoGroupedMatmul.apply(a, weight_t, offs, grouped, args, "Float8 grouped experts").to(a.dtype)
         tp_dim = ("k" if contracts_hidden else "n") if self.float8_tp_sharded else None
         cast, reduce = _float8_rowwise_cast(), self.amax_reduce
         scale_a = _scale(a, cast, -1, 1 if tp_dim == "k" else None, reduce, True)
@@ -1009,37 +1030,6 @@ class Float8GroupedExpertsConverter(QuantizationConverter):
 
 
 # ----------------------------------------------------------------------------- MXFP8 grouped experts
-class _GroupedMXFP8Matmul(torch.autograd.Function):
-    """Rows ``a`` ``[M, K]`` grouped by expert (groups ending at ``offs``) times their experts'
-    ``weight_t`` ``[E, K, N]``, in MXFP8: torchao's ``_MXFP8GroupedMM`` (its forward and backward:
-    RCEIL scales, products in bfloat16, as upstream's ``mxfp8_rceil``), with the type rule
-    ``spmd_types``' checker needs (torchao's Function has none)."""
-
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor,
-                kernel_preference: Any) -> torch.Tensor:
-        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-
-        ctx.grouped = _MXFP8GroupedMM
-        return _MXFP8GroupedMM.forward(ctx, a, weight_t, offs, torch.bfloat16, kernel_preference, False,
-                                       ScaleCalculationMode.RCEIL, False)
-
-    @staticmethod
-    def spmd_typecheck(*, a: Any, weight_t: Any, offs: Any) -> Any:
-        """Each row through one expert's matmul: the types of ``a @ weight_t[e]`` (each block's scale
-        is the block's own, on the rank that holds it)."""
-        from spmd_types import rules
-
-        _check_offsets_typed("MXFP8 grouped experts", a, offs)
-        return rules.einsum("mk,ekn->mn", a, weight_t)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        grad_a, grad_weight_t, *_ = ctx.grouped.backward(ctx, grad_output.contiguous())
-        return grad_a, grad_weight_t, None, None
-
-
 class _MXFP8Experts(_QuantizedExperts):
     """Grouped experts whose three grouped GEMMs are MXFP8 (torchao's, upstream's
     ``MXFP8GroupedExperts``). Nothing is reduced across ranks: under expert parallelism each expert
@@ -1050,7 +1040,14 @@ class _MXFP8Experts(_QuantizedExperts):
 
     def _quantized_mm(self, a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                       contracts_hidden: bool) -> torch.Tensor:
-        return _GroupedMXFP8Matmul.apply(a, weight.transpose(-2, -1), offs, self.mxfp8_kernel_preference).to(a.dtype)
+        """torchao's ``_MXFP8GroupedMM`` (RCEIL scales, products in bfloat16, as upstream's
+        ``mxfp8_rceil``) through :class:`_TorchaoGroupedMatmul`."""
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        args = (torch.bfloat16, self.mxfp8_kernel_preference, False, ScaleCalculationMode.RCEIL, False)
+        return _TorchaoGroupedMatmul.apply(a, weight.transpose(-2, -1), offs, _MXFP8GroupedMM, args,
+                                           "MXFP8 grouped experts").to(a.dtype)
 
 
 def is_mxfp8_experts(module: nn.Module) -> bool:
