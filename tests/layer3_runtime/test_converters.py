@@ -26,6 +26,7 @@ from torchtitan_spmd.config.converters import (
     LoRAConverterConfig,
     MXFP8GroupedExpertsConverterConfig,
     MXFP8LinearConverterConfig,
+    NVFP4LinearConverterConfig,
 )
 from torchtitan_spmd.techniques.converters import build_converters, convert_model
 
@@ -53,7 +54,7 @@ def test_upstream_import_paths_fields_and_defaults() -> None:
         "model_compile_enabled": False, "recipe_name": "rowwise", "filter_fqns": [], "emulate": False}
     assert _fields(LoRAConverter.Config) == {"rank": 8, "alpha": 16.0, "target_modules": None}
     assert _fields(MXFP8LinearConverter.Config) == {"model_compile_enabled": False, "fqns": [], "emulate": False}
-    assert _fields(NVFP4LinearConverter.Config) == {"model_compile_enabled": False, "fqns": []}
+    assert _fields(NVFP4LinearConverter.Config) == {"model_compile_enabled": False, "fqns": [], "emulate": False}
     assert _fields(Float8GroupedExpertsConverter.Config) == {"model_compile_enabled": False, "emulate": False}
 
 
@@ -808,3 +809,301 @@ def test_importing_torchao_drops_only_torchs_enum_warning(caplog: pytest.LogCapt
         assert register("torchao.quantization.fake") == []
         assert len(register("someone_else")) == 1
     assert len(register("torchao.quantization.fake")) == 1  # only while torchao is imported
+
+
+def _nvfp4_operands(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An input ``x`` [32, 64], a weight ``w`` [64, 64] and an output gradient ``g`` [32, 64], with tp
+    rank 1's half of the sharded dim (``col-*``: the weight's rows, the outputs; ``row-*``: the
+    features) scaled so that one operand's per-tensor amax lies on rank 1 while rank 1's part of
+    the sum over tp is zero: ``col-w`` the weight, ``col-g`` the output gradient, ``row-x`` the input,
+    ``row-w`` the weight. Rank 0's blocks then fall far below the unsharded amax, their e4m3
+    scales into e4m3's subnormals: a scale taken on rank 0's shard alone keeps them exact."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*shape, generator=gen) for shape in ((32, 64), (64, 64), (32, 64)))
+    half = slice(32, 64)
+    big = 1e5  # rank 0's block scales near 0.004: e4m3 subnormals (below 2^-6, steps of 2^-9)
+    if case == "col-w":
+        w[half, :] *= big
+    elif case == "col-g":
+        g[:, half] *= big
+        w[half, :] = 0
+    elif case == "row-x":
+        x[:, half] *= big
+        w[:, half] = 0
+    else:
+        w[:, half] *= big
+        x[:, half] = 0
+    return x, w, g
+
+
+def _nvfp4_sharded(rank: int, world: int, case: str) -> list[list[float]]:
+    """Rank ``rank``'s shard through the library's NVFP4 linear (emulated, rounding to nearest) as
+    the trainer binds it under tp 2 (its ``max`` over the group): rank 0's part of the output, of
+    the input gradient and of the weight gradient, each summed over tp where it is a pending sum."""
+    import torch.distributed as dist
+
+    from torchtitan_spmd.techniques.converters import _max_over
+    from torchtitan_spmd.techniques.quantization import NVFP4Linear
+
+    x, w, g = _nvfp4_operands(case)
+    mine = slice(32 * rank, 32 * rank + 32)
+    col = case.startswith("col")
+    linear = NVFP4Linear(64 if col else 32, 32 if col else 64, bias=False)
+    linear.weight = nn.Parameter(w[mine].clone() if col else w[:, mine].clone())
+    linear.nvfp4_emulate, linear.tp_weight_shard_dim, linear.amax_reduce = True, 0 if col else 1, _max_over(dist.group.WORLD)
+    xs = (x if col else x[:, mine]).clone().requires_grad_(True)
+    out = linear(xs)
+    out.backward(g[:, mine] if col else g)
+    grad_x = xs.grad
+    if col:
+        dist.all_reduce(grad_x)
+    else:
+        dist.all_reduce(out)
+    return [t.reshape(-1).tolist() for t in (out, grad_x, linear.weight.grad)]
+
+
+@pytest.mark.parametrize("case", ["col-w", "col-g", "row-x", "row-w"])
+def test_nvfp4_per_tensor_scales_of_tp_shards_are_the_unsharded_ones(case: str) -> None:
+    """Under tensor parallelism each NVFP4 per-tensor scale of a sharded operand is the unsharded
+    one: on two real gloo ranks, rank 0's part of the output, the input gradient and the weight
+    gradient equal the judge's (:class:`float8_helpers.JudgeNVFP4Matmul`, on the whole operands,
+    rounding to nearest as the library does here), where each rank taking its own shard's amax
+    would scale rank 0's blocks far finer."""
+    from float8_helpers import JudgeNVFP4Matmul, nvfp4_round_to_nearest
+
+    from torchtitan_spmd.launcher import run_forked
+
+    x, w, g = _nvfp4_operands(case)
+    xs = x.clone().requires_grad_(True)
+    ws = w.clone().requires_grad_(True)
+    out = JudgeNVFP4Matmul.apply(xs, ws)
+    out.backward(g)
+    col = case.startswith("col")
+    mine = slice(0, 32)
+    out = out.detach()
+    wants = (out[:, mine] if col else out, xs.grad if col else xs.grad[:, mine], ws.grad[mine] if col else ws.grad[:, mine])
+    with nvfp4_round_to_nearest():
+        gots = run_forked(_nvfp4_sharded, 2, case)[0]
+    for what, got, want in zip(("output", "input gradient", "weight gradient"), gots, wants, strict=True):
+        got = torch.tensor(got).reshape(want.shape)
+        scale = want.abs().max()
+        assert scale > 0 and want.count_nonzero() > want.numel() // 2, (case, what, "rank 0's part survives")
+        # each product is rounded to bfloat16 once (per rank): a float32 sum (the library's) and a
+        # float64 one (the judge's) may round to neighbouring bfloat16 values, one ulp apart (2^-7 at most)
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-6 * float(scale)), (
+            case, what, float(((got - want).abs() / (want.abs() + 1e-6 * scale)).max()))
+
+
+
+# ----------------------------------------------------------------------------- NVFP4
+def test_nvfp4_converts_the_linears_it_can_and_names_the_ones_it_cannot() -> None:
+    """Every linear whose dimensions are multiples of 16 (emulated; 128 for torchao's kernels) when
+    ``fqns`` is empty; only the named ones otherwise (upstream's ``layers.1.`` names block 1
+    alone); a named linear NVFP4 cannot take, a name matching nothing, or emulate with compile is
+    one line at setup; the dry run's counts see them; LoRA composes over it."""
+    from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.techniques.converters import converted_counts
+    from torchtitan_spmd.techniques.quantization import hardware_checks_off
+
+    model = _tiny()
+    done = convert_model(model, build_converters([NVFP4LinearConverterConfig(emulate=True)]))
+    assert len(done["NVFP4LinearConverter"]) == 15 and set(_kinds(model).values()) == {"NVFP4Linear"}
+    counts = converted_counts(model)
+    assert counts["nvfp4_linears"] == 15
+    assert counts["nvfp4_weight_numel"] == sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+    model = _tiny()
+    convert_model(model, build_converters([NVFP4LinearConverterConfig(emulate=True, fqns=["layers.1.", "lm_head"]),
+                                           LoRAConverterConfig(rank=4, target_modules=["wq"])]))
+    kinds = _kinds(model)
+    assert sorted(k for k, v in kinds.items() if "NVFP4" in v) == sorted(
+        [f"layers.1.{m}" for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")] + ["output"])
+    assert kinds["layers.1.attention.wq"] == "LoRANVFP4Linear" and kinds["layers.0.attention.wq"] == "LoRALinear"
+
+    with hardware_checks_off():  # torchao's kernels: every dim a multiple of 128 (the tiny Llama's are not)
+        gpu = build_converters([NVFP4LinearConverterConfig(model_compile_enabled=True)])
+        assert convert_model(_tiny(), gpu)["NVFP4LinearConverter"] == []
+        with pytest.raises(ValueError) as err:
+            convert_model(_tiny(), build_converters([NVFP4LinearConverterConfig(fqns=["wq"], model_compile_enabled=True)]))
+    assert "names 'layers.0.attention.wq' (64 -> 64)" in _one_line(err.value) and "multiples of 128" in str(err.value)
+
+    spec = get_model_spec("qwen3")
+    with torch.device("meta"):
+        moe = spec.build(spec.model_config("moe_tiny"))
+    router = next(fqn for fqn, m in moe.named_modules() if type(m) is nn.Linear and m.out_features % 16)
+    with pytest.raises(ValueError) as err:
+        convert_model(moe, build_converters([NVFP4LinearConverterConfig(emulate=True, fqns=[router])]))
+    assert f"names {router!r}" in _one_line(err.value) and "multiples of 16" in str(err.value)
+    with pytest.raises(ValueError, match=r"\['wqkv'\] name no linear"):
+        convert_model(_tiny(), build_converters([NVFP4LinearConverterConfig(emulate=True, fqns=["wqkv"])]))
+    with pytest.raises(ValueError, match="already a MXFP8Linear"):
+        convert_model(_tiny(), build_converters([MXFP8LinearConverterConfig(emulate=True),
+                                                 NVFP4LinearConverterConfig(emulate=True, fqns=["wq"])]))
+    with pytest.raises(ValueError) as err:
+        build_converters([NVFP4LinearConverterConfig(emulate=True, model_compile_enabled=True)])
+    assert "emulate=True is for eager mode" in _one_line(err.value)
+
+
+def test_nvfp4_cast_is_torchaos_own_nvfp4_quantize() -> None:
+    """The library's NVFP4 cast of rows of 16, rounding to nearest, equals torchao's own pure-torch
+    ``nvfp4_quantize`` (blocks of 16, two-level scales) on float32 data; zero and a tensor whose
+    amax is 0 stay zero."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+    from torchtitan_spmd.techniques.quantization import nvfp4_fake_quantize
+
+    t = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 5
+    amax = t.abs().max()
+    scales, packed = nvfp4_quantize(t, 16, per_tensor_amax_to_scale(amax))
+    codes = f4_unpacked_to_f32(unpack_uint4(packed)).reshape(64, 8, 16)
+    want = (codes * scales.float().reshape(64, 8, 1) * per_tensor_amax_to_scale(amax)).reshape(64, 128)
+    got = nvfp4_fake_quantize(t, amax)
+    assert torch.equal(got, want)
+    assert 0.05 < float((got - t).norm() / t.norm()) < 0.2  # e2m1's noise: a cast, not the identity
+    zero = torch.zeros(32, 32)
+    assert torch.equal(nvfp4_fake_quantize(zero, zero.abs().max()), zero)
+
+
+def test_nvfp4_matches_the_judge_on_one_process_and_stops_on_a_partial_block() -> None:
+    """One process, rounding to nearest. One linear, with the recipe's bfloat16 products: the
+    output and both gradients equal the judge's (:class:`float8_helpers.JudgeNVFP4Matmul`, float64
+    products) to a bfloat16 step each. The converted tiny Llama, in float32 products (a bfloat16
+    step apart, the next cast to NVFP4 can move an e2m1 step): every gradient equals the judge
+    model's, and differs from high precision. A forward whose tokens are no multiple of 16 is one
+    line naming the fields to change."""
+    from float8_helpers import JudgeNVFP4Matmul, judge_nvfp4_model, nvfp4_float32_products, nvfp4_round_to_nearest
+
+    from torchtitan_spmd.models import get_model_spec
+    from torchtitan_spmd.techniques.quantization import NVFP4Linear
+
+    gen = torch.Generator().manual_seed(4)
+    x, w, g = torch.randn(2, 32, 64, generator=gen), torch.randn(96, 64, generator=gen), torch.randn(2, 32, 96, generator=gen)
+    linear = NVFP4Linear(64, 96, bias=False)
+    linear.weight, linear.nvfp4_emulate = nn.Parameter(w.clone()), True
+    xs, xj, wj = x.clone().requires_grad_(True), x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with nvfp4_round_to_nearest():
+        out = linear(xs)
+        out.backward(g)
+    want = JudgeNVFP4Matmul.apply(xj, wj)
+    want.backward(g)
+    for got, ref in ((out, want), (xs.grad, xj.grad), (linear.weight.grad, wj.grad)):
+        # float32 sums against float64 ones: a bfloat16 step apart (2^-7 at most), or float32's error
+        # of a sum of 64 terms where it cancels to near zero
+        assert torch.allclose(got.detach(), ref.detach(), rtol=2**-7, atol=1e-5 * float(ref.detach().abs().max()))
+
+    spec = get_model_spec("llama3")
+    ours, judge, plain = (spec.build_initialized("tiny", seed=0, vocab_size=320, max_seq_len=64) for _ in range(3))
+    convert_model(ours, build_converters([NVFP4LinearConverterConfig(emulate=True)]))
+    assert judge_nvfp4_model(judge, ()) == 15
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = []
+    with nvfp4_round_to_nearest(), nvfp4_float32_products():
+        for model in (ours, judge, plain):
+            model(tokens).pow(2).mean().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        want = grads[1][name]
+        assert float((grad - want).norm() / want.norm()) < 1e-5, (name, float((grad - want).norm() / want.norm()))
+    assert not torch.allclose(grads[0]["output.weight"], grads[2]["output.weight"], rtol=1e-2, atol=0)
+    with pytest.raises(ValueError) as err:
+        ours(tokens[:1, :8])
+    assert "has 8 tokens, not a multiple of 16" in _one_line(err.value)
+    assert "training.local_batch_size" in str(err.value)
+
+
+def test_nvfp4_gradients_round_stochastically_and_unbiased() -> None:
+    """The recipe's stochastic rounding: each element lands on one of its two e2m1 neighbours, the
+    mean over draws is the element (unbiased), and the gradients' casts use it: a linear's input
+    gradient changes with the seed and averages closer to the exact product than rounding to
+    nearest does; the forward does not change with the seed."""
+    from float8_helpers import nvfp4_round_to_nearest
+
+    from torchtitan_spmd.techniques.quantization import NVFP4Linear, nvfp4_fake_quantize
+
+    t = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    amax = t.abs().max()
+    torch.manual_seed(0)
+    draws = torch.stack([nvfp4_fake_quantize(t, amax, stochastic=True) for _ in range(400)])
+    nearest = nvfp4_fake_quantize(t, amax)
+    lo, hi = torch.minimum(draws.amin(0), nearest), torch.maximum(draws.amax(0), nearest)
+    assert (draws.amin(0) != draws.amax(0)).float().mean() > 0.5  # most elements take both neighbours
+    spread = hi - lo
+    assert float((draws.mean(0) - t).abs().max()) < float(spread.max()) * 0.2  # within the sampling error
+    assert float((draws.mean(0) - t).norm()) < 0.3 * float((nearest - t).norm())
+
+    linear = NVFP4Linear(64, 32, bias=False)
+    linear.nvfp4_emulate = True
+    x, g = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2)), torch.randn(2, 16, 32)
+
+    def input_grad(seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if seed is not None:
+            torch.manual_seed(seed)
+        xs = x.clone().requires_grad_(True)
+        out = linear(xs)
+        out.backward(g)
+        return out.detach(), xs.grad
+
+    out0, grad0 = input_grad(0)
+    out1, grad1 = input_grad(1)
+    assert torch.equal(out0, out1) and not torch.equal(grad0, grad1)
+    with nvfp4_round_to_nearest():
+        _, rn = input_grad(None)
+    exact = g @ linear.weight.detach()
+    mean = torch.stack([input_grad(s)[1] for s in range(64)]).mean(0)
+    assert float((mean - exact).norm()) < float((rn - exact).norm())
+
+
+def test_nvfp4_tensor_parallel_layouts_are_checked_in_one_line() -> None:
+    """A shard that splits NVFP4's blocks, or tp-sharded linears on torchao's GPU kernels (each
+    shard's own per-tensor scale), is a setup error naming the linears."""
+    from types import SimpleNamespace
+
+    from torchtitan_spmd.techniques.quantization import NVFP4Linear, bind_nvfp4_shards
+
+    model = _tiny()
+    convert_model(model, build_converters([NVFP4LinearConverterConfig(emulate=True)]))
+
+    def col(dim: int) -> Any:
+        return SimpleNamespace(layout=SimpleNamespace(shard_dims=lambda: {"tp": dim}))
+
+    layouts = {f"{fqn}.weight": col(1 if fqn.endswith(("wo", "w2")) else 0)
+               for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert bind_nvfp4_shards(model, layouts, 1, None) == 0
+    assert bind_nvfp4_shards(model, layouts, 2, max) == 15  # wk: 32 / tp 2 = 16, one block
+    assert model.get_submodule("layers.0.attention.wo").tp_weight_shard_dim == 1
+    with pytest.raises(ValueError) as err:
+        bind_nvfp4_shards(model, layouts, 4, max)
+    text = _one_line(err.value)
+    assert "layers.0.attention.wk (32 / tp 4 = 8)" in text and "attention.wq" not in text
+    gpu = nn.ModuleDict({"proj": NVFP4Linear(512, 512, bias=False, device="meta")})  # torchao's kernels
+    assert bind_nvfp4_shards(gpu, {}, 2, max) == 0  # nothing sharded over tp: the GPU's kernels are right
+    with pytest.raises(ValueError) as err:
+        bind_nvfp4_shards(gpu, {"proj.weight": col(0)}, 2, max)
+    assert "shards proj, and torchao's NVFP4 kernels would take each shard's per-tensor scale" in _one_line(err.value)
+    with pytest.raises(ValueError) as err:
+        bind_nvfp4_shards(gpu, {"proj.weight": col(1)}, 8, max)
+    assert "proj (512 / tp 8 = 64)" in _one_line(err.value)  # torchao's kernels: 128 a shard
+
+
+#: cell -> (backend, parallelism): the tiny Llama, every linear NVFP4 (emulated), rounding to nearest
+#: in float32 products (:func:`float8_helpers.nvfp4_float32_products`). Type-checked ``spmd_types``: layer 4.
+NV_CELLS: dict[str, tuple[str, dict[str, Any] | None, int]] = {
+    "default-fsdp2_tp2": ("default", None, 2),
+    "full_dtensor-fsdp2_tp2": ("full_dtensor", None, 2),
+    # one row a microbatch: 32 tokens, two blocks along the tokens
+    "default-pp2_fsdp2": ("default", PP2_FSDP2, 1),
+    # each CP rank's 32 tokens (headtail chunks); the judge's linears see each rank's on their own
+    "full_dtensor-cp2_tp2": ("full_dtensor", {"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 2),
+}
+
+
+@pytest.mark.parametrize("cell", list(NV_CELLS))
+def test_nvfp4_matches_the_judges_single_process_model(cell: str) -> None:
+    """NVFP4 emulated against the judge's model on one process: every per-tensor scale of a
+    tp-sharded operand is the unsharded one (reduced over tp), each rank's tokens scaled on their
+    own (data, context and pipeline parallelism), so only float32's summation order differs at
+    step 1 (measured 1.9e-7 at FSDP 2 x TP 2; each rank's own amaxes instead: 3.7e-2)."""
+    backend, parallelism, rows = NV_CELLS[cell]
+    check_float8_parity(cell, backend, (), parallelism, rows, recipe="nvfp4")

@@ -90,10 +90,10 @@ def test_float8_lora_type_checked_trains_only_the_adapters_and_exports_merged(tm
     check_lora(tmp_path, "spmd_types", float8=True, spmd_typechecking=True)
 
 
-def _dropped_amax_step(rank: int, world: int, cfg: Any, experts: bool) -> str | None:
-    """One type-checked step with every float8 linear's (``experts``: every float8 grouped experts')
-    amax reduction over tp dropped (the plant: each rank scales by the amax of its own shard); the
-    checker's first line, or None."""
+def _dropped_amax_step(rank: int, world: int, cfg: Any, kind: str) -> str | None:
+    """One type-checked step with every float8 linear's (``experts``: every float8 grouped experts';
+    ``nvfp4``: every NVFP4 linear's) amax reduction over tp dropped (the plant: each rank scales by
+    the amax of its own shard); the checker's first line, or None."""
     from spmd_types import SpmdTypeError
 
     from torchtitan_spmd.techniques import quantization
@@ -102,16 +102,17 @@ def _dropped_amax_step(rank: int, world: int, cfg: Any, experts: bool) -> str | 
     trainer = Trainer(cfg)
     dropped = 0
     for module in trainer.model.modules():
-        which = quantization.is_float8_experts(module) if experts else isinstance(module, quantization.Float8Linear)
+        which = {"experts": quantization.is_float8_experts, "nvfp4": quantization.is_nvfp4_linear,
+                 "linears": lambda m: isinstance(m, quantization.Float8Linear)}[kind](module)
         if which and module.amax_reduce is not None:
             def local_only(amax: torch.Tensor, dim: int | None = None) -> torch.Tensor:
                 return amax
 
-            local_only.local_amax = module.amax_reduce.local_amax  # type: ignore[attr-defined]
+            local_only.local_amax = getattr(module.amax_reduce, "local_amax", None)  # type: ignore[attr-defined]
             module.amax_reduce = local_only
             dropped += 1
     # 2 blocks x (wq, wk, wv, wo, w1, w2, w3), and the output; or the tiny MoE's 2 blocks' experts
-    assert dropped == (2 if experts else 15), dropped
+    assert dropped == (2 if kind == "experts" else 15), dropped
     try:
         trainer.step(1)
     except SpmdTypeError as err:
@@ -119,28 +120,42 @@ def _dropped_amax_step(rank: int, world: int, cfg: Any, experts: bool) -> str | 
     return None
 
 
-@pytest.mark.parametrize("experts", [False, True], ids=["linears", "experts"])
-def test_type_checker_catches_a_dropped_amax_reduction(experts: bool) -> None:
+@pytest.mark.parametrize("kind", ["linears", "experts", "nvfp4"])
+def test_type_checker_catches_a_dropped_amax_reduction(kind: str) -> None:
     """The plant the checker exists for: float8 scales taken over a rank's shard of a tp-sharded
     axis (no max over tp). Untyped, that trains with wrong scales (the losses barely show it:
     layer 3's per-scale tests do); type-checked, it is an ``SpmdTypeError`` at the first row-wise
     float8 matmul (``experts``: the experts' ``w2`` grouped GEMM), whose pending sum over tp the
-    varying scales would multiply."""
+    varying scales would multiply. ``nvfp4``: NVFP4's per-tensor scale of a column-wise linear's
+    weight, left sharded over tp, at the first NVFP4 matmul (``wq``)."""
     from float8_helpers import float8_job
     from parity_helpers import warm_parent
 
     from torchtitan_spmd.config.converters import (
         Float8GroupedExpertsConverterConfig,
         Float8LinearConverterConfig,
+        NVFP4LinearConverterConfig,
     )
     from torchtitan_spmd.launcher import run_forked
 
     warm_parent()
-    converter = Float8GroupedExpertsConverterConfig(emulate=True) if experts else Float8LinearConverterConfig(emulate=True)
+    converter = {"experts": Float8GroupedExpertsConverterConfig(emulate=True),
+                 "linears": Float8LinearConverterConfig(emulate=True),
+                 "nvfp4": NVFP4LinearConverterConfig(emulate=True)}[kind]
     cfg = float8_job("spmd_types", [converter], parallelism={"tensor_parallel_degree": 2}, steps=1,
-                     model="qwen3" if experts else "llama3", spmd_typechecking=True)
-    errors = run_forked(_dropped_amax_step, 2, cfg, experts, timeout_s=120)
+                     model="qwen3" if kind == "experts" else "llama3", spmd_typechecking=True)
+    errors = run_forked(_dropped_amax_step, 2, cfg, kind, timeout_s=120)
     assert errors[0] is not None and errors == [errors[0]] * 2, errors
-    want = ("w2 contracts the hidden dim sharded over" if experts else
-            "shards both 'k' and 'z' in 'bsk,kn,bsz,zn->bsn'")
+    want = {"experts": "w2 contracts the hidden dim sharded over",
+            "linears": "shards both 'k' and 'z' in 'bsk,kn,bsz,zn->bsn'",
+            "nvfp4": "shards both 'n' and 'y' in 'bsk,nk,bsz,yz->bsn'"}[kind]
     assert want in errors[0], errors[0]
+
+
+def test_nvfp4_type_checked_matches_the_judges_single_process_model() -> None:
+    """NVFP4 (emulated) at FSDP 2 x TP 2, type-checked: each per-tensor amax of a tp-sharded operand
+    reduced by a typed all-gather (``R@tp``) and taken into the NVFP4 matmul's type rule with its
+    own labels, against the judge's model on one process (layer 3's ``NV_CELLS``; a dropped
+    reduction: :func:`test_type_checker_catches_a_dropped_amax_reduction`)."""
+    check_float8_parity("spmd_types-fsdp2_tp2-nvfp4-typechecked", "spmd_types", (), recipe="nvfp4",
+                        spmd_typechecking=True)

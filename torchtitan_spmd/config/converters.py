@@ -153,12 +153,24 @@ class MXFP8GroupedExpertsConverterConfig(QuantizationConverterConfig):
 
 @dataclass(kw_only=True)
 class NVFP4LinearConverterConfig(QuantizationConverterConfig):
-    """Upstream's ``NVFP4LinearConverter.Config`` (b5bcd76; SM100+)."""
+    """Upstream's ``NVFP4LinearConverter.Config`` (b5bcd76): NVFP4 training of the linears (e2m1
+    elements, one e4m3 scale per block of 16 under a per-tensor scale; the weight in blocks of
+    16 x 16; stochastic rounding of the gradients and a Hadamard transform in the weight gradient)."""
 
     converter: ClassVar[str] = "NVFP4LinearConverter"
 
     fqns: list[str] = field(default_factory=list)
-    """Linears whose fully qualified name contains one of these are converted; empty: all."""
+    """Linears whose fully qualified name contains one of these are converted (``"layers.1."``
+    names block 1 alone); empty: every linear whose dimensions NVFP4 can take. A named linear it
+    cannot take is a setup error."""
+
+    emulate: bool = False
+    """Not upstream's: emulate NVFP4's casts and matmuls in high precision (any device, eager; the
+    CPU's and tests' path). Without it NVFP4 needs an NVIDIA GPU of compute capability 10.0
+    (SM100) or newer (torchao's Triton kernels)."""
+
+    def check(self, where: str) -> None:
+        _check_str_list(f"{where}.fqns", self.fqns)
 
 
 @dataclass(kw_only=True)

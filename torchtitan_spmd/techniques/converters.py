@@ -2,7 +2,7 @@
 
 A job lists converter configs in ``model.converters`` (or a recipe's
 ``job.model_spec = model_registry(flavor, converters=[...])``). Each config names its converter
-class (:data:`CONVERTERS`): :mod:`.quantization` (float8, and the MXFP8/NVFP4 names) and
+class (:data:`CONVERTERS`): :mod:`.quantization` (float8, MXFP8, NVFP4) and
 :mod:`.lora`. The trainer:
 
 1. at validation, builds every converter (:func:`build_converters`): a missing extra, a GPU
@@ -82,8 +82,9 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
     """After the plan: the float8 linears learn how their weights are sharded over ``tp`` and
     the ``max`` that makes their scales global: the representation's ``amax_max_over_tp`` where
     it defines one (typed), else a plain all-reduce over the ``tp`` group; so do the float8
-    grouped experts. The MXFP8 linears and experts learn their shards, checked to split no block
-    (a setup error naming them)."""
+    grouped experts and the NVFP4 linears (these also take the representation's ``local_amax``,
+    which types a per-tensor amax, where it defines one). The MXFP8 linears and experts learn their shards,
+    checked to split no block (a setup error naming them)."""
     quantization.bind_mxfp8_shards(model, state_layouts, parallel_dims.tp)
     reduce = None
     if parallel_dims.tp_enabled:
@@ -91,11 +92,13 @@ def bind_converted(model: nn.Module, state_layouts: dict[str, Any], parallel_dim
         reduce = own() if own is not None else _max_over(parallel_dims.get_mesh("tp").get_group())
     quantization.bind_float8_shards(model, state_layouts, reduce)
     quantization.bind_float8_experts(model, state_layouts, parallel_dims.tp, reduce)
+    quantization.bind_nvfp4_shards(model, state_layouts, parallel_dims.tp, reduce,
+                                   getattr(representation, "local_amax", None))
 
 
 def converted_counts(model: nn.Module) -> dict[str, int]:
-    """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8
-    and MXFP8 linears, float8 and MXFP8 grouped experts, and their weights' elements (kept in high precision:
+    """What the converters changed in ``model`` (this rank's shards; the dry run's report): float8,
+    MXFP8 and NVFP4 linears, float8 and MXFP8 grouped experts, and their weights' elements (kept in high precision:
     torchao's dynamic scaling stores no scales, it computes them each step), LoRA's adapter
     elements, and the frozen parameters' elements and bytes (no gradient, no optimizer state).
     Empty for an unconverted model."""
@@ -105,7 +108,8 @@ def converted_counts(model: nn.Module) -> dict[str, int]:
         return p.to_local() if isinstance(p, DTensor) else p
 
     out: dict[str, int] = {}
-    for kind, cls in (("float8", quantization.Float8Linear), ("mxfp8", quantization.MXFP8Linear)):
+    for kind, cls in (("float8", quantization.Float8Linear), ("mxfp8", quantization.MXFP8Linear),
+                      ("nvfp4", quantization.NVFP4Linear)):
         linears = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
         if linears:
             out[f"{kind}_linears"] = len(linears)

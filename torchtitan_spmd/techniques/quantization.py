@@ -32,8 +32,8 @@ Data parallelism shards tokens: each rank's matmuls scale its own tokens, as in 
 (torchao 0.18 has no emulated float8 grouped GEMM), with the amaxes along a tp-sharded hidden dim
 reduced as the linears' are. ``MXFP8LinearConverter`` and ``MXFP8GroupedExpertsConverter`` run
 torchao's MXFP8 kernels on local shards (SM100+, or torchao's emulated kernels). ``NVFP4LinearConverter``
-is accepted by name (torchao's NVFP4 training is Triton only): without an SM100+ GPU, one line at
-setup; with one, one line saying it is not built.
+runs torchao's NVFP4 training kernels (``nvfp4_mm_triton``, SM100+) or, with ``emulate=True``, the
+same recipe emulated here (torchao's are Triton only), its per-tensor scales reduced over tp.
 """
 
 from __future__ import annotations
@@ -66,14 +66,19 @@ __all__ = [
     "MXFP8_BLOCK",
     "MXFP8GroupedExpertsConverter",
     "MXFP8LinearConverter",
+    "NVFP4Linear",
     "NVFP4LinearConverter",
+    "NVFP4_BLOCK",
     "QuantizationConverter",
     "MXFP8Linear",
     "bind_float8_experts",
     "bind_float8_shards",
     "bind_mxfp8_shards",
+    "bind_nvfp4_shards",
     "is_float8_experts",
     "is_mxfp8_experts",
+    "is_nvfp4_linear",
+    "nvfp4_fake_quantize",
     "has_cuda_capability",
     "import_torchao_float8",
     "targets_optional",
@@ -1083,34 +1088,349 @@ class MXFP8GroupedExpertsConverter(QuantizationConverter):
                                 mxfp8_kernel_preference=self.kernel_preference)
 
 
-# ----------------------------------------------------------------------------- needing newer GPUs
-class _NeedsNewerGpu(QuantizationConverter):
-    """A converter accepted by upstream's name and not built here: construction checks torchao and the
-    GPU it needs (one line each), then says it is not built (one line)."""
+# ----------------------------------------------------------------------------- NVFP4 linears
+#: NVFP4's block: 16 consecutive elements along the contracted dim share one e4m3 scale (the
+#: weight's blocks are 16 x 16), under one float32 scale for the whole tensor.
+NVFP4_BLOCK = 16
 
-    #: (what needs torchao, (major, minor) compute capability, what needs that GPU, the "not built" line)
-    needs: ClassVar[tuple[str, tuple[int, int], str, str]]
+#: torchao's NVFP4 Triton kernels need every local GEMM dim, the tokens included, a multiple of 128.
+NVFP4_GPU_MULTIPLE = 128
 
-    def __init__(self, config: QuantizationConverterConfig) -> None:
+#: The randomized Hadamard transform's signs: the NVFP4 v1 recipe's default, which upstream fixes
+#: so that every rank has the same (a tp-sharded weight gradient's two operands must share it).
+NVFP4_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+#: e2m1's magnitudes: the grid stochastic rounding picks a neighbour on.
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+#: Whether the emulated gradients' casts round stochastically (the recipe's). The tests that compare
+#: a sharded run with one process turn it off: each rank draws its own noise for its own shard.
+_STOCHASTIC_ROUNDING = [True]
+
+#: The emulated products' dtype: bfloat16, the scaled matmul's output (the recipe's). The tests that
+#: compare a tensor-parallel run with one process keep them in float32: each rank rounds its part
+#: of a pending sum over tp before the sum, where one process rounds the whole sum once.
+_PRODUCT_DTYPE = [torch.bfloat16]
+
+
+def _import_torchao_nvfp4(what: str) -> None:
+    """torchao's NVFP4 pieces (its ``mx_formats`` casts and ``nvfp4_training``), or ImportError in
+    one line naming ``what`` and the extra."""
+    import_torchao_float8(what)
+    try:
+        with _quiet_torchao_enum_warning():
+            import torchao.prototype.moe_training.nvfp4_training.nvfp4_linear  # noqa: F401
+            import torchao.prototype.mx_formats.nvfp4_tensor  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{what} needs torchao's NVFP4 training (torchao.prototype.moe_training.nvfp4_training), "
+                          f"which this torchao lacks ({err}): {FLOAT8_EXTRA}") from None
+
+
+def _e2m1_stochastic(scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled`` (within +-6) rounded to one of its two e2m1 neighbours, the upper one with
+    probability its distance from the lower: unbiased, as the GPU's ``cvt.rs``. The noise is the
+    default generator's (``torch.rand``), so a seeded run repeats."""
+    grid = torch.tensor(_E2M1_GRID, device=scaled.device)
+    mag = scaled.abs()
+    lower = torch.clamp(torch.searchsorted(grid, mag, right=True) - 1, 0, len(_E2M1_GRID) - 1)
+    upper = torch.clamp(lower + 1, max=len(_E2M1_GRID) - 1)
+    lo, hi = grid[lower], grid[upper]
+    step = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    up = torch.rand_like(mag) < (mag - lo) / step
+    return torch.where(up, hi, lo) * torch.sign(scaled)
+
+
+def nvfp4_fake_quantize(t: torch.Tensor, amax: torch.Tensor, *, tile_rows: int = 1,
+                        stochastic: bool = False) -> torch.Tensor:
+    """``t`` (2-D ``[rows, cols]``) cast to NVFP4 and back, in float32, as torchao's NVFP4 training
+    kernels cast (``_nvfp4_quantize``, ``_nvfp4_2d_quantize``): blocks of ``tile_rows`` x 16 along the
+    last dim, each scaled to e2m1's range by an e4m3 scale under the per-tensor scale of ``amax``
+    (the tensor's absolute max, maybe reduced over tp: an operand's shards share it), then
+    rounded to e2m1, to nearest (torchao's ``f32_to_f4_unpacked``) or stochastically. The value
+    returned is what the scaled matmul multiplies: code x block scale x torchao's per-tensor scale.
+
+    Hand-rolled: torchao's casts for NVFP4 training are Triton only, and its pure-torch
+    ``nvfp4_quantize`` has no 16 x 16 blocks and no stochastic rounding."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    rows, cols = t.shape
+    fp32_max = torch.finfo(torch.float32).max
+    amax = amax.float().reshape(())
+    safe = torch.where(amax == 0, torch.ones_like(amax), amax)
+    one = torch.ones_like(amax)
+    # true divisions throughout (a Python number over a tensor is a reciprocal times it in torch,
+    # off by an ulp, which moves e2m1's ties)
+    encode = torch.where(amax == 0, one, torch.clamp(torch.full_like(safe, 448.0 * 6.0) / safe, max=fp32_max))
+    blocks = t.float().reshape(rows // tile_rows, tile_rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_max = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    block_scale = torch.clamp(block_max / 6.0 * encode, torch.finfo(torch.float8_e4m3fn).tiny, 448.0)
+    block_scale = block_scale.to(torch.float8_e4m3fn).float()
+    scaled = torch.clamp(blocks * torch.clamp(one / (block_scale * (one / encode)), max=fp32_max), -6.0, 6.0)
+    codes = _e2m1_stochastic(scaled) if stochastic else f4_unpacked_to_f32(f32_to_f4_unpacked(scaled))
+    return (codes * block_scale * per_tensor_amax_to_scale(amax)).reshape(rows, cols)
+
+
+def _rht(t: torch.Tensor) -> torch.Tensor:
+    """The randomized Hadamard transform (torchao's ``get_rht_matrix`` of :data:`NVFP4_RHT_SIGNS`) of
+    each block of 16 along ``t``'s last dim, in float32. Orthogonal: the weight gradient's two
+    operands, both transformed along the tokens, give the same product."""
+    from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
+
+    rht = get_rht_matrix(NVFP4_RHT_SIGNS, t.device, torch.float32, NVFP4_BLOCK)
+    rows, cols = t.shape
+    return (t.float().reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK) @ rht).reshape(rows, cols)
+
+
+def _tensor_amax(t: torch.Tensor, sharded_dim: int | None, reduce: Callable[..., torch.Tensor] | None,
+                 typed: Callable[..., torch.Tensor] | None, what: str, *, as_bf16: bool = False) -> torch.Tensor:
+    """The absolute max of ``t`` in float32 (``as_bf16``: of ``t`` cast to bfloat16, as the kernels
+    cast the forward's operands first), shaped ``[1] * t.dim()``, the max over tp (``reduce``) where
+    ``sharded_dim`` is sharded over tp. ``typed``: the representation's ``local_amax``, which types
+    this rank's amax as ``t`` (``spmd_types``), or None."""
+    def local() -> torch.Tensor:
+        amax = t.detach().abs().amax(dim=tuple(range(t.dim())), keepdim=True)
+        return (amax.to(torch.bfloat16) if as_bf16 else amax).float()
+
+    with torch.no_grad():
+        amax = typed(t, local) if typed is not None else local()
+        if sharded_dim is None:
+            return amax
+        if reduce is None:
+            raise RuntimeError(f"{what}: a per-tensor scale spans a dim sharded over tp, and no amax reduction "
+                               "is bound (bind_nvfp4_shards was not called).")
+        return reduce(amax, sharded_dim % t.dim())
+
+
+class _EmulatedNVFP4Matmul(torch.autograd.Function):
+    """``input @ weight.t()`` in NVFP4, emulated: the three GEMMs of torchao's ``nvfp4_mm_triton``
+    (NVFP4 v1), each operand cast by :func:`nvfp4_fake_quantize` and the product rounded to
+    bfloat16 (the scaled matmul's output dtype):
+
+    - output: the input in blocks of 16 along the features, the weight in blocks of 16 x 16;
+    - input gradient: the output gradient in blocks of 16 along the outputs, rounded
+      stochastically, times the forward's cast of the weight (its 16 x 16 blocks are its
+      transpose's);
+    - weight gradient: the output gradient and the input, each transposed and Hadamard-transformed
+      along the tokens, in blocks of 16 along the tokens (the output gradient's rounded
+      stochastically).
+
+    ``wt_dim`` is the dim of the weight sharded over tp (0: a column-wise linear, 1: row-wise,
+    None). Each per-tensor scale of an operand sharded over tp takes the max of its amax over tp
+    (``reduce``), so it is the unsharded operand's: the forward's two computed outside (typed),
+    the backward's three here."""
+
+    @staticmethod
+    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp: torch.Tensor, amax_x: torch.Tensor,
+                amax_w: torch.Tensor, wt_dim: int | None, reduce: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+        x = input_hp.reshape(-1, input_hp.shape[-1]).to(torch.bfloat16)
+        w = nvfp4_fake_quantize(weight_hp.to(torch.bfloat16), amax_w, tile_rows=NVFP4_BLOCK)
+        out = (nvfp4_fake_quantize(x, amax_x) @ w.t()).to(_PRODUCT_DTYPE[-1])
+        ctx.save_for_backward(x, w)
+        ctx.wt_dim, ctx.reduce, ctx.shape = wt_dim, reduce, input_hp.shape
+        ctx.dtypes = input_hp.dtype, weight_hp.dtype
+        # in the input's dtype here, inside the Function: a row-wise linear's output is a pending sum
+        # over tp, which a cast outside would take through a non-linear op (spmd_types rejects it)
+        return out.reshape(*input_hp.shape[:-1], out.shape[-1]).to(input_hp.dtype)
+
+    @staticmethod
+    def spmd_typecheck(*, input_hp: Any, weight_hp: Any, amax_x: Any, amax_w: Any) -> Any:
+        """A linear multilinear in the input, the weight and their per-tensor scales (the
+        dequantisation multiplies the product by both). Each scale's own labels are apart from its
+        operand's: a scale left sharded over tp (an amax not reduced) shards a second label on
+        that axis, which the rule rejects, for a column-wise linear's weight as for a row-wise
+        linear's input."""
+        from spmd_types import rules
+
+        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
+        if x is None:
+            raise TypeError("NVFP4Linear under spmd_types type checking: a 2-D or 3-D input.")
+        return rules.einsum(f"{x},nk,{x[:-1]}z,yz->{x[:-1]}n", input_hp, weight_hp, amax_x, amax_w)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        reduce, wt_dim, sr = ctx.reduce, ctx.wt_dim, _STOCHASTIC_ROUNDING[-1]
+        what = "NVFP4Linear"
+        dy = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.bfloat16)
+        dy_dim = 1 if wt_dim == 0 else None  # column-wise: the output gradient's features are sharded
+        dy_q = nvfp4_fake_quantize(dy, _tensor_amax(dy, dy_dim, reduce, None, what), stochastic=sr)
+        grad_input = (dy_q @ w).to(_PRODUCT_DTYPE[-1]).reshape(ctx.shape).to(ctx.dtypes[0])
+        dy_t, x_t = _rht(dy.t()), _rht(x.t())
+        dy_t = nvfp4_fake_quantize(dy_t, _tensor_amax(dy_t, 0 if wt_dim == 0 else None, reduce, None, what), stochastic=sr)
+        x_t = nvfp4_fake_quantize(x_t, _tensor_amax(x_t, 0 if wt_dim == 1 else None, reduce, None, what))
+        grad_weight = (dy_t @ x_t.t()).to(_PRODUCT_DTYPE[-1]).to(ctx.dtypes[1])
+        return grad_input, grad_weight, None, None, None, None
+
+
+class _TorchaoNVFP4Matmul(torch.autograd.Function):
+    """``input @ weight.t()`` through torchao's own ``nvfp4_mm_triton`` (its forward and backward: the
+    GPU's NVFP4 v1 recipe, SM100+), with the type rule ``spmd_types``' checker needs. torchao takes
+    every per-tensor scale on this rank's tensors, so it runs only where no operand is sharded over
+    tp (:func:`bind_nvfp4_shards`)."""
+
+    @staticmethod
+    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp: torch.Tensor, sr_seed: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.nvfp4_training.nvfp4_linear import nvfp4_mm_triton
+
+        ctx.nvfp4, ctx.dtypes = nvfp4_mm_triton, (input_hp.dtype, weight_hp.dtype)
+        out = nvfp4_mm_triton.forward(ctx, input_hp, weight_hp, None, sr_seed, NVFP4_RHT_SIGNS)
+        return out.to(input_hp.dtype)  # inside the Function, as the emulated one's
+
+    @staticmethod
+    def spmd_typecheck(*, input_hp: Any, weight_hp: Any) -> Any:
+        from spmd_types import rules
+
+        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
+        if x is None:
+            raise TypeError("NVFP4Linear under spmd_types type checking: a 2-D or 3-D input.")
+        return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad_input, grad_weight, *_ = ctx.nvfp4.backward(ctx, grad_output.to(torch.bfloat16))
+        return grad_input.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None
+
+
+class NVFP4Linear(nn.Linear):
+    """A linear whose three matmuls are NVFP4 (upstream's ``NVFP4Linear``, torchao's NVFP4 v1
+    recipe): torchao's ``nvfp4_mm_triton`` on an SM100+ GPU, or emulated (``nvfp4_emulate``), on this
+    rank's tensors (DTensors' local shards under ``full_dtensor``). ``tp_weight_shard_dim`` (0, 1
+    or None), ``amax_reduce`` (the max over tp) and ``amax_typed`` (how ``spmd_types`` types an
+    amax) are set by :func:`bind_nvfp4_shards`.
+
+    Unlike torchao's and upstream's module it holds no buffers: the Hadamard signs are the fixed
+    :data:`NVFP4_RHT_SIGNS`, and the stochastic rounding draws from the default generator
+    (emulated) or a seed drawn on the first GPU forward (torchao's kernels), so checkpoints hold
+    the weights alone."""
+
+    tp_weight_shard_dim: int | None = None
+    amax_reduce: Callable[..., torch.Tensor] | None = None
+    amax_typed: Callable[..., torch.Tensor] | None = None
+    nvfp4_emulate: bool = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _local_shard_forward(self, input)
+
+    def _local_mm(self, input: torch.Tensor, weight: torch.Tensor, sharded: int | None) -> torch.Tensor:
+        multiple = NVFP4_BLOCK if self.nvfp4_emulate else NVFP4_GPU_MULTIPLE
+        tokens = input.numel() // input.shape[-1]
+        if tokens % multiple:
+            raise ValueError(f"NVFP4Linear: this rank's forward has {tokens} tokens, not a multiple of {multiple} "
+                             "(the weight gradient's NVFP4 blocks run along the tokens): make "
+                             "training.local_batch_size x training.seq_len per microbatch and context-parallel "
+                             f"rank a multiple of {multiple}.")
+        if not self.nvfp4_emulate:
+            seed = getattr(self, "_nvfp4_sr_seed", None)
+            if seed is None or seed.device != input.device:
+                seed = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=input.device)
+                self._nvfp4_sr_seed = seed
+            return _TorchaoNVFP4Matmul.apply(input, weight, seed)
+        reduce = self.amax_reduce
+        typed = self.amax_typed
+        amax_x = _tensor_amax(input, -1 if sharded == 1 else None, reduce, typed, "NVFP4Linear", as_bf16=True)
+        amax_w = _tensor_amax(weight, sharded, reduce, typed, "NVFP4Linear", as_bf16=True)
+        return _EmulatedNVFP4Matmul.apply(input, weight, amax_x, amax_w, sharded, reduce)
+
+
+def is_nvfp4_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear converted by :class:`NVFP4LinearConverter`."""
+    return isinstance(module, NVFP4Linear)
+
+
+class NVFP4LinearConverter(QuantizationConverter):
+    """Upstream's ``NVFP4LinearConverter`` (b5bcd76): the linears to :class:`NVFP4Linear`.
+
+    Checks at construction, each a one-line error: torchao's NVFP4 training installed (the
+    ``float8`` extra), and a GPU of compute capability 10.0+ unless ``emulate=True`` (not
+    upstream's: the same recipe emulated, eager, on any device). A linear whose dimensions are
+    not multiples of 128 (torchao's kernels; emulated: 16, NVFP4's block) stays in high precision
+    when ``fqns`` is empty and is a setup error when ``fqns`` names it; upstream refuses it in
+    both cases. Under tensor parallelism every per-tensor scale is the unsharded operand's
+    (emulated; torchao's kernels would take each shard's, so they are a setup error there:
+    :func:`bind_nvfp4_shards`)."""
+
+    Config: ClassVar[type[NVFP4LinearConverterConfig]] = NVFP4LinearConverterConfig
+
+    def __init__(self, config: NVFP4LinearConverterConfig) -> None:
         super().__init__(config)
-        name = type(self).__name__
-        torchao_use, (major, minor), gpu_use, unbuilt = self.needs
-        import_torchao_float8(f"{name} ({torchao_use})")
-        _needs_sm(name, major, minor, gpu_use)
-        raise ValueError(f"{name}: {unbuilt}.")
+        _import_torchao_nvfp4("NVFP4LinearConverter (NVFP4 training)")
+        _check_emulation("NVFP4LinearConverter", config, (10, 0), "NVFP4 matmuls")
+        self.multiple = NVFP4_BLOCK if config.emulate else NVFP4_GPU_MULTIPLE
+        self.fqns = expand_upstream_names(list(config.fqns))
+        if not config.emulate and not config.model_compile_enabled:
+            logging.getLogger(__name__).warning("NVFP4LinearConverter: torchao's NVFP4 kernels are fastest compiled "
+                                                "(compile.enable with 'model' in compile.components).")
+
+    def keeps(self, fqn: str, module: nn.Module) -> bool:
+        """Whether the linear ``fqn`` is converted (raises ValueError for a named linear NVFP4 cannot take)."""
+        named = any(f in fqn for f in self.fqns)
+        if not isinstance(module, nn.Linear) or (self.fqns and not named):
+            return False
+        if type(module) is not nn.Linear:
+            if named:
+                raise ValueError(f"NVFP4LinearConverter.Config.fqns names {fqn!r}, already a "
+                                 f"{type(module).__name__} (one quantization converter per linear).")
+            return False
+        if module.in_features % self.multiple or module.out_features % self.multiple:
+            if named:
+                raise ValueError(f"NVFP4LinearConverter.Config.fqns names {fqn!r} ({module.in_features} -> "
+                                 f"{module.out_features}), whose dimensions are not multiples of {self.multiple} "
+                                 f"({'NVFP4 blocks' if self.config.emulate else 'torchao NVFP4 kernels'}): "
+                                 "leave it out of fqns.")
+            return False
+        return True
+
+    def convert(self, model: nn.Module) -> list[str]:
+        converted = []
+        for fqn, module in list(model.named_modules()):
+            if not self.keeps(fqn, module):  # a plain nn.Linear from here on
+                continue
+            new = NVFP4Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
+                              dtype=module.weight.dtype)
+            new.weight = module.weight  # the same parameters: built on meta, or already initialised
+            new.bias = module.bias
+            new.nvfp4_emulate = self.config.emulate
+            _set_submodule(model, fqn, new)
+            converted.append(fqn)
+        if self.fqns and not converted and _TARGETS_REQUIRED[-1]:
+            raise ValueError(f"NVFP4LinearConverter.Config.fqns: {self.config.fqns} name no linear of the model.")
+        return converted
 
 
-def _needing_newer_gpu(name: str, config: type[QuantizationConverterConfig],
-                       needs: tuple[str, tuple[int, int], str, str]) -> type[_NeedsNewerGpu]:
-    major, minor = needs[1]
-    doc = f"Upstream's ``{name}`` ({needs[0]}): SM{major}{minor}+, and not built here."
-    cls = type(name, (_NeedsNewerGpu,), {"Config": config, "needs": needs, "__doc__": doc, "__module__": __name__})
-    return cls
+def bind_nvfp4_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int,
+                      amax_reduce: Callable[..., torch.Tensor] | None,
+                      amax_typed: Callable[..., torch.Tensor] | None = None) -> int:
+    """Tell each NVFP4 linear how the plan sharded its weight over ``tp`` (``tp``: the degree, 1
+    without tensor parallelism), the ``max`` over ``tp`` its per-tensor scales reduce with, and
+    the representation's typing of an amax (``amax_typed``: ``local_amax``, or None); the number
+    so sharded. One-line ValueError naming them where a shard is no multiple of the block
+    (16 emulated, 128 on the GPU), or where torchao's kernels (``emulate=False``) would scale
+    each shard alone."""
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
 
-
-#: Upstream's converters this library accepts by name only: (name, config, needs).
-_NEWER_GPU = (
-    ("NVFP4LinearConverter", NVFP4LinearConverterConfig,
-     ("NVFP4 training", (10, 0), "NVFP4 matmuls", "NVFP4 training is not built in this library yet")),
-)
-(NVFP4LinearConverter,) = (_needing_newer_gpu(*row) for row in _NEWER_GPU)
+    bound, split, gpu = 0, [], []
+    for fqn, module in model.named_modules():
+        if not is_nvfp4_linear(module):
+            continue
+        dim = _tp_shard_dim(state_layouts, fqn, "weight") if tp > 1 else None
+        if dim is not None:
+            size = module.out_features if dim == 0 else module.in_features
+            multiple = NVFP4_BLOCK if module.nvfp4_emulate else NVFP4_GPU_MULTIPLE
+            if size % (tp * multiple):
+                split.append(f"{plain_fqn(fqn)} ({size} / tp {tp} = {size / tp:g})")
+            if not module.nvfp4_emulate:
+                gpu.append(plain_fqn(fqn))
+        module.tp_weight_shard_dim = dim
+        module.amax_reduce = amax_reduce if dim is not None else None
+        module.amax_typed = amax_typed
+        bound += dim is not None
+    if split:
+        raise ValueError(f"NVFP4: tensor parallelism shards {_name_list(split)} into no multiple of NVFP4's "
+                         "blocks: leave them out of NVFP4LinearConverter.Config.fqns or lower "
+                         "parallelism.tensor_parallel_degree.")
+    if gpu:
+        raise ValueError(f"NVFP4LinearConverter: tensor parallelism shards {_name_list(gpu)}, and torchao's NVFP4 "
+                         "kernels would take each shard's per-tensor scale (not the recipe's): leave them out of "
+                         "fqns, drop tensor parallelism, or use emulate=True.")
+    return bound

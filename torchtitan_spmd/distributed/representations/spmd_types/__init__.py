@@ -263,19 +263,22 @@ class SpmdTypesRepresentation(TensorRepresentation):
         def reduce(amax: torch.Tensor, dim: int) -> torch.Tensor:
             return st.all_gather(amax, tp, src=st.S(dim), dst=R).amax(dim, keepdim=True)
 
-        def local_amax(t: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-            """The amax over this rank's shard of ``t``, typed as ``t`` (DTensor's rule would call it
-            a pending max, which spmd_types does not type)."""
-            with st.no_typecheck():
-                amax = compute()
-            if has_local_type(t):
-                from spmd_types.runtime import get_partition_spec
-
-                st.assert_type(amax, dict(st.get_local_type(t)), partition_spec=get_partition_spec(t))
-            return amax
-
-        reduce.local_amax = local_amax  # type: ignore[attr-defined]
+        reduce.local_amax = self.local_amax  # type: ignore[attr-defined]
         return reduce
+
+    @staticmethod
+    def local_amax(t: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()``, an amax over this rank's part of ``t`` shaped as ``t`` with every reduced
+        dim kept, typed as ``t`` (DTensor's rule would call it a pending max, which spmd_types does
+        not type): the ranks' amaxes side by side along each sharded dim. An NVFP4 per-tensor amax
+        of a batch-sharded input is one (each rank's matmul scales its own tokens)."""
+        with st.no_typecheck():
+            amax = compute()
+        if has_local_type(t):
+            from spmd_types.runtime import get_partition_spec
+
+            st.assert_type(amax, dict(st.get_local_type(t)), partition_spec=get_partition_spec(t))
+        return amax
 
     def sum_over_batch(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks holding different tokens: ``P -> I`` on ``dp`` and on ``cp``."""
