@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/converters_bench.py curves --flavor tiny --steps 50
     PYTHONPATH=. python bench/converters_bench.py curves --flavor debugmodel --configs fp32 mxfp8
     PYTHONPATH=. python bench/converters_bench.py curves --model qwen3 --flavor moe_tiny --configs fp32 float8_experts float8_moe
+    PYTHONPATH=. python bench/converters_bench.py curves --flavor tiny --configs fp32 nvfp4 lora nvfp4_lora
     PYTHONPATH=. python bench/converters_bench.py time --flavor debugmodel --steps 8
     PYTHONPATH=. python bench/converters_bench.py memory --flavor debugmodel
     PYTHONPATH=. python bench/converters_bench.py gpu [--dim 4096 --tokens 8192 --layers 4]
@@ -12,8 +13,10 @@ wk, wv, wo) and float8 + LoRA, under each backend; prints each run's losses and 
 relative loss gap after step 10 of float8 (and MXFP8, emulated: ``--configs`` picks the runs; the
 tiny model's ``wk``/``wv`` are too narrow for MXFP8 under tp 2, so MXFP8 curves use the debug model)
 against fp32 and of float8 + LoRA against LoRA; on an MoE (``--model qwen3 --flavor moe_tiny``)
-the experts in float8 (``float8_experts``) and the experts and dense linears (``float8_moe``).
-``time``: the mean step time (steps 3..N) of fp32, float8 emulated and MXFP8 emulated, side by side
+the experts in float8 (``float8_experts``) and the experts and dense linears (``float8_moe``);
+NVFP4 emulated (``nvfp4``, with stochastic rounding: the recipe) against fp32 and NVFP4 + LoRA
+(``nvfp4_lora``) against LoRA.
+``time``: the mean step time (steps 3..N) of fp32, float8, MXFP8 and NVFP4 emulated, side by side
 in one process tree (``default``). ``memory``: the AdamW state bytes of LoRA against full fine-tuning (two fp32
 moments per trainable parameter), from the model built on the meta device.
 ``gpu`` (the probe for a lent GPU, SM89+; ``--emulate`` runs it anywhere, small): one process, a stack
@@ -23,7 +26,10 @@ gradient difference (the same casts: expected 0), and eager forward + backward t
 torchao's float8 and the library's float8. On an SM100+ GPU (or emulated) the same for MXFP8:
 torchao's ``MXFP8Linear`` against the library's (``MXFP8LinearConverter``). Then 8 grouped experts
 in float8 (``Float8GroupedExpertsConverter``): on the GPU against torchao's own
-``_to_fp8_rowwise_then_scaled_grouped_mm``, and their times against high precision.
+``_to_fp8_rowwise_then_scaled_grouped_mm``, and their times against high precision. On an SM100+
+GPU, NVFP4: the library's emulated forward against torchao's ``nvfp4_mm_triton`` on the same
+weights (the emulation's fidelity to the GPU's kernels: the output's largest difference relative
+to its largest value, expected 0 but for ties e2m1 rounds apart), and the kernels' time.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torchtitan_spmd.config.converters import (
     Float8LinearConverterConfig,
     LoRAConverterConfig,
     MXFP8LinearConverterConfig,
+    NVFP4LinearConverterConfig,
 )
 from torchtitan_spmd.launcher import run_forked
 
@@ -46,9 +53,11 @@ FLOAT8 = Float8LinearConverterConfig(emulate=True)
 FLOAT8_EXPERTS = Float8GroupedExpertsConverterConfig(emulate=True)
 LORA = LoRAConverterConfig(rank=8, alpha=16.0, target_modules=["wq", "wkv", "wo"])
 MXFP8 = MXFP8LinearConverterConfig(emulate=True)
+NVFP4 = NVFP4LinearConverterConfig(emulate=True)
 CONFIGS: dict[str, list[Any]] = {"fp32": [], "float8": [FLOAT8], "lora": [LORA], "float8_lora": [FLOAT8, LORA],
                                  "mxfp8": [MXFP8], "float8_experts": [FLOAT8_EXPERTS],
-                                 "float8_moe": [FLOAT8, FLOAT8_EXPERTS]}
+                                 "float8_moe": [FLOAT8, FLOAT8_EXPERTS], "nvfp4": [NVFP4],
+                                 "nvfp4_lora": [NVFP4, LORA]}
 #: The small flavours (local batch 2 x 32 tokens, lr 3e-3); the others: 4 x 256, lr 8e-4.
 SMALL = ("tiny", "moe_tiny")
 
@@ -90,7 +99,7 @@ def gap(a: list[float], b: list[float], after: int = 10) -> float:
 
 #: (run, its baseline) pairs whose loss gap ``curves`` prints, where both ran.
 GAPS = (("float8", "fp32"), ("mxfp8", "fp32"), ("float8_lora", "lora"), ("float8_experts", "fp32"),
-        ("float8_moe", "fp32"))
+        ("float8_moe", "fp32"), ("nvfp4", "fp32"), ("nvfp4_lora", "lora"))
 
 
 def curves(flavor: str, steps: int, backends: list[str], configs: list[str], model: str = "llama3") -> dict[str, Any]:
@@ -107,7 +116,7 @@ def curves(flavor: str, steps: int, backends: list[str], configs: list[str], mod
 
 def step_time(flavor: str, steps: int) -> dict[str, float]:
     out = {}
-    for name in ("fp32", "float8", "mxfp8"):
+    for name in ("fp32", "float8", "mxfp8", "nvfp4"):
         times = run_forked(_run, 4, job("default", flavor, steps, CONFIGS[name]), timeout_s=1800)[0]["times"]
         out[name] = sum(times[2:]) / len(times[2:])
     print(json.dumps(out))
@@ -185,8 +194,38 @@ def gpu_probe(dim: int, tokens: int, layers: int, emulate: bool, iters: int = 20
     if emulate or has_cuda_capability(10, 0):
         result.update(_mxfp8_probe(base, x, step, emulate, iters, device == "cuda"))
     result.update(_float8_experts_probe(dim, tokens, emulate, iters, device, dtype))
+    if device == "cuda" and has_cuda_capability(10, 0):
+        result.update(_nvfp4_probe(base, x, step, iters))
     print(json.dumps(result))
     return result
+
+
+def _nvfp4_probe(base: Any, x: Any, step: Any, iters: int) -> dict[str, Any]:
+    """The library's NVFP4 on torchao's kernels (``NVFP4LinearConverter``) against its emulation on the
+    GPU, the same weights: the forward's largest difference relative to its largest value (both
+    round to nearest there), and eager forward + backward times of the kernels."""
+    import copy
+
+    import torch
+
+    from torchtitan_spmd.techniques.converters import build_converters, convert_model
+
+    kernels, emulated = copy.deepcopy(base), copy.deepcopy(base)
+    convert_model(kernels, build_converters([NVFP4LinearConverterConfig(model_compile_enabled=True)]))
+    convert_model(emulated, build_converters([NVFP4LinearConverterConfig(emulate=True)]))
+    with torch.no_grad():
+        o1, o2 = kernels(x), emulated(x)
+    out: dict[str, Any] = {"nvfp4_forward_max_rel_diff_vs_emulated": float((o1.float() - o2.float()).abs().max()
+                                                                           / o2.float().abs().max())}
+    for _ in range(3):
+        step(kernels)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step(kernels)
+    torch.cuda.synchronize()
+    out["library_nvfp4_ms"] = 1e3 * (time.perf_counter() - start) / iters
+    return out
 
 
 def _mxfp8_probe(base: Any, x: Any, step: Any, emulate: bool, iters: int, cuda: bool) -> dict[str, Any]:

@@ -56,6 +56,12 @@ def test_upstream_import_paths_fields_and_defaults() -> None:
     assert _fields(MXFP8LinearConverter.Config) == {"model_compile_enabled": False, "fqns": [], "emulate": False}
     assert _fields(NVFP4LinearConverter.Config) == {"model_compile_enabled": False, "fqns": [], "emulate": False}
     assert _fields(Float8GroupedExpertsConverter.Config) == {"model_compile_enabled": False, "emulate": False}
+    # upstream b5bcd76 exports the linears too
+    from torchtitan_spmd.components.quantization import Float8Linear, MXFP8Linear, NVFP4Linear
+
+    assert [c.__name__ for c in (Float8Linear, MXFP8Linear, NVFP4Linear)] == ["Float8Linear", "MXFP8Linear",
+                                                                             "NVFP4Linear"]
+    assert issubclass(NVFP4Linear, nn.Linear) and Float8Linear.__mro__[1].__module__.startswith("torchao.")
 
 
 # recipe -> (module, flavour, converter class names), as upstream's recipes list them
@@ -973,7 +979,12 @@ def test_nvfp4_matches_the_judge_on_one_process_and_stops_on_a_partial_block() -
     step apart, the next cast to NVFP4 can move an e2m1 step): every gradient equals the judge
     model's, and differs from high precision. A forward whose tokens are no multiple of 16 is one
     line naming the fields to change."""
-    from float8_helpers import JudgeNVFP4Matmul, judge_nvfp4_model, nvfp4_float32_products, nvfp4_round_to_nearest
+    from float8_helpers import (
+        JudgeNVFP4Matmul,
+        judge_nvfp4_model,
+        nvfp4_float32_products,
+        nvfp4_round_to_nearest,
+    )
 
     from torchtitan_spmd.models import get_model_spec
     from torchtitan_spmd.techniques.quantization import NVFP4Linear
