@@ -295,19 +295,28 @@ def test_mxfp8_converts_the_linears_it_can_and_names_the_ones_it_cannot() -> Non
         moe = spec.build(spec.model_config("moe_tiny"))
     done = convert_model(moe, build_converters([MXFP8LinearConverterConfig(emulate=True)]))
     assert not any("router" in fqn or "gate" in fqn for fqn in done["MXFP8LinearConverter"]), done
-    router = next(fqn for fqn, m in moe.named_modules() if type(m) is nn.Linear)
+    _named_linears_errors(MXFP8LinearConverterConfig, 32, Float8LinearConverterConfig(emulate=True), "Float8Linear")
+
+
+def _named_linears_errors(config: Any, multiple: int, other: Any, other_class: str) -> None:
+    """A converter of named linears (``config``, emulated), each error one line: naming a linear whose
+    dimensions are no multiple of ``multiple`` (the tiny MoE's router, 8 outputs), naming nothing,
+    naming a linear ``other`` already converted to ``other_class``, and emulate with compile."""
+    from torchtitan_spmd.models import get_model_spec
+
+    spec = get_model_spec("qwen3")
     with torch.device("meta"):
         moe = spec.build(spec.model_config("moe_tiny"))
+    router = next(fqn for fqn, m in moe.named_modules() if type(m) is nn.Linear and m.out_features % multiple)
     with pytest.raises(ValueError) as err:
-        convert_model(moe, build_converters([MXFP8LinearConverterConfig(emulate=True, fqns=[router])]))
-    assert f"names {router!r}" in _one_line(err.value) and "multiples of 32" in str(err.value)
+        convert_model(moe, build_converters([config(emulate=True, fqns=[router])]))
+    assert f"names {router!r}" in _one_line(err.value) and f"multiples of {multiple}" in str(err.value)
     with pytest.raises(ValueError, match=r"\['wqkv'\] name no linear"):
-        convert_model(_tiny(), build_converters([MXFP8LinearConverterConfig(emulate=True, fqns=["wqkv"])]))
-    with pytest.raises(ValueError, match="already a Float8Linear"):
-        convert_model(_tiny(), build_converters([Float8LinearConverterConfig(emulate=True),
-                                                 MXFP8LinearConverterConfig(emulate=True, fqns=["wq"])]))
+        convert_model(_tiny(), build_converters([config(emulate=True, fqns=["wqkv"])]))
+    with pytest.raises(ValueError, match=f"already a {other_class}"):
+        convert_model(_tiny(), build_converters([other, config(emulate=True, fqns=["wq"])]))
     with pytest.raises(ValueError) as err:
-        build_converters([MXFP8LinearConverterConfig(emulate=True, model_compile_enabled=True)])
+        build_converters([config(emulate=True, model_compile_enabled=True)])
     assert "emulate=True is for eager mode" in _one_line(err.value)
 
 
@@ -907,7 +916,6 @@ def test_nvfp4_converts_the_linears_it_can_and_names_the_ones_it_cannot() -> Non
     ``fqns`` is empty; only the named ones otherwise (upstream's ``layers.1.`` names block 1
     alone); a named linear NVFP4 cannot take, a name matching nothing, or emulate with compile is
     one line at setup; the dry run's counts see them; LoRA composes over it."""
-    from torchtitan_spmd.models import get_model_spec
     from torchtitan_spmd.techniques.converters import converted_counts
     from torchtitan_spmd.techniques.quantization import hardware_checks_off
 
@@ -934,21 +942,7 @@ def test_nvfp4_converts_the_linears_it_can_and_names_the_ones_it_cannot() -> Non
             convert_model(_tiny(), build_converters([NVFP4LinearConverterConfig(fqns=["wq"], model_compile_enabled=True)]))
     assert "names 'layers.0.attention.wq' (64 -> 64)" in _one_line(err.value) and "multiples of 128" in str(err.value)
 
-    spec = get_model_spec("qwen3")
-    with torch.device("meta"):
-        moe = spec.build(spec.model_config("moe_tiny"))
-    router = next(fqn for fqn, m in moe.named_modules() if type(m) is nn.Linear and m.out_features % 16)
-    with pytest.raises(ValueError) as err:
-        convert_model(moe, build_converters([NVFP4LinearConverterConfig(emulate=True, fqns=[router])]))
-    assert f"names {router!r}" in _one_line(err.value) and "multiples of 16" in str(err.value)
-    with pytest.raises(ValueError, match=r"\['wqkv'\] name no linear"):
-        convert_model(_tiny(), build_converters([NVFP4LinearConverterConfig(emulate=True, fqns=["wqkv"])]))
-    with pytest.raises(ValueError, match="already a MXFP8Linear"):
-        convert_model(_tiny(), build_converters([MXFP8LinearConverterConfig(emulate=True),
-                                                 NVFP4LinearConverterConfig(emulate=True, fqns=["wq"])]))
-    with pytest.raises(ValueError) as err:
-        build_converters([NVFP4LinearConverterConfig(emulate=True, model_compile_enabled=True)])
-    assert "emulate=True is for eager mode" in _one_line(err.value)
+    _named_linears_errors(NVFP4LinearConverterConfig, 16, MXFP8LinearConverterConfig(emulate=True), "MXFP8Linear")
 
 
 def test_nvfp4_cast_is_torchaos_own_nvfp4_quantize() -> None:

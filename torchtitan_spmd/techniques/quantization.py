@@ -377,6 +377,13 @@ def sharded_float8_matmul(input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_
                                       reduce)
 
 
+def _input_labels(what: str, input_hp: Any) -> str:
+    """A linear's input's einsum labels for its type rule: ``bsk``, or ``sk`` for a 2-D input."""
+    if input_hp.ndim not in (2, 3):
+        raise TypeError(f"{what} under spmd_types type checking: a 2-D or 3-D input.")
+    return "bsk"[-input_hp.ndim:]
+
+
 class _ShardedFloat8Matmul(torch.autograd.Function):
     """``input @ weight_t`` on tensor-parallel local shards, operand by operand as torchao's
     ``matmul_with_hp_or_float8_args`` (same casts, same axes, same scaled matmuls), with the
@@ -409,10 +416,9 @@ class _ShardedFloat8Matmul(torch.autograd.Function):
         product is a pending sum over tp, so its scales must be the same on every tp rank."""
         from spmd_types import rules
 
-        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
-        if x is None or scale_x is None or scale_w is None:
-            raise TypeError("Float8Linear under spmd_types type checking: a 2-D or 3-D input with float8 "
-                            "scales on both forward operands.")
+        x = _input_labels("Float8Linear", input_hp)
+        if scale_x is None or scale_w is None:
+            raise TypeError("Float8Linear under spmd_types type checking: float8 scales on both forward operands.")
         return rules.einsum(f"{x},kn,{x[:-1]}z,zn->{x[:-1]}n", input_hp, weight_hp_t, scale_x, scale_w)
 
     @staticmethod
@@ -562,9 +568,7 @@ class _LocalMXFP8Matmul(torch.autograd.Function):
         block's own, on the rank that holds it)."""
         from spmd_types import rules
 
-        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
-        if x is None:
-            raise TypeError("MXFP8Linear under spmd_types type checking: a 2-D or 3-D input.")
+        x = _input_labels("MXFP8Linear", input_hp)
         return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
 
     @staticmethod
@@ -612,7 +616,60 @@ def _mxfp8_linear_class() -> type[nn.Module]:
 MXFP8Linear: Any = None
 
 
-class MXFP8LinearConverter(QuantizationConverter):
+class _NamedLinearsConverter(QuantizationConverter):
+    """A converter of the linears ``fqns`` names (a linear whose fully qualified name contains one;
+    empty: every linear it can take), each swapped for :meth:`_converted` on the same parameters.
+    A linear whose dimensions are not multiples of :attr:`multiple` stays in high precision when
+    ``fqns`` is empty and is a one-line error when ``fqns`` names it, as is a named linear another
+    converter already converted and an ``fqns`` that names nothing."""
+
+    #: every dimension of a converted linear is a multiple of this, for the reason ``multiple_why``
+    multiple: int
+    multiple_why: str
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.fqns = expand_upstream_names(list(config.fqns))
+
+    def keeps(self, fqn: str, module: nn.Module) -> bool:
+        """Whether the linear ``fqn`` is converted (raises ValueError for a named linear it cannot take)."""
+        name = type(self).__name__
+        named = any(f in fqn for f in self.fqns)
+        if not isinstance(module, nn.Linear) or (self.fqns and not named):
+            return False
+        if type(module) is not nn.Linear:
+            if named:
+                raise ValueError(f"{name}.Config.fqns names {fqn!r}, already a "
+                                 f"{type(module).__name__} (one quantization converter per linear).")
+            return False
+        if module.in_features % self.multiple or module.out_features % self.multiple:
+            if named:
+                raise ValueError(f"{name}.Config.fqns names {fqn!r} ({module.in_features} -> "
+                                 f"{module.out_features}), whose dimensions are not multiples of {self.multiple} "
+                                 f"({self.multiple_why}): leave it out of fqns.")
+            return False
+        return True
+
+    def _converted(self, module: nn.Linear) -> nn.Module:
+        """The converted linear of ``module``'s shape, built on the meta device."""
+        raise NotImplementedError
+
+    def convert(self, model: nn.Module) -> list[str]:
+        converted = []
+        for fqn, module in list(model.named_modules()):
+            if not self.keeps(fqn, module):  # a plain nn.Linear from here on
+                continue
+            new = self._converted(module)
+            new.weight = module.weight  # the same parameters: built on meta, or already initialised
+            new.bias = module.bias
+            _set_submodule(model, fqn, new)
+            converted.append(fqn)
+        if self.fqns and not converted and _TARGETS_REQUIRED[-1]:
+            raise ValueError(f"{type(self).__name__}.Config.fqns: {self.config.fqns} name no linear of the model.")
+        return converted
+
+
+class MXFP8LinearConverter(_NamedLinearsConverter):
     """Upstream's ``MXFP8LinearConverter``: the linears to torchao's ``MXFP8Linear`` (dynamic MXFP8:
     e4m3 elements, one power-of-two scale per 32, on every operand of the three matmuls).
 
@@ -624,46 +681,17 @@ class MXFP8LinearConverter(QuantizationConverter):
     """
 
     Config: ClassVar[type[MXFP8LinearConverterConfig]] = MXFP8LinearConverterConfig
+    multiple, multiple_why = MXFP8_BLOCK, "MXFP8's block"
 
     def __init__(self, config: MXFP8LinearConverterConfig) -> None:
         super().__init__(config)
         _import_torchao_mxfp8("MXFP8LinearConverter (MXFP8 training)")
         self.kernel_preference = _check_emulation("MXFP8LinearConverter", config, (10, 0), "MXFP8 matmuls")
-        self.fqns = expand_upstream_names(list(config.fqns))
 
-    def keeps(self, fqn: str, module: nn.Module) -> bool:
-        """Whether the linear ``fqn`` is converted (raises ValueError for a named linear MXFP8 cannot take)."""
-        named = any(f in fqn for f in self.fqns)
-        if not isinstance(module, nn.Linear) or (self.fqns and not named):
-            return False
-        if type(module) is not nn.Linear:
-            if named:
-                raise ValueError(f"MXFP8LinearConverter.Config.fqns names {fqn!r}, already a "
-                                 f"{type(module).__name__} (one quantization converter per linear).")
-            return False
-        if module.in_features % MXFP8_BLOCK or module.out_features % MXFP8_BLOCK:
-            if named:
-                raise ValueError(f"MXFP8LinearConverter.Config.fqns names {fqn!r} ({module.in_features} -> "
-                                 f"{module.out_features}), whose dimensions are not multiples of {MXFP8_BLOCK} "
-                                 "(MXFP8's block): leave it out of fqns.")
-            return False
-        return True
-
-    def convert(self, model: nn.Module) -> list[str]:
-        cls = _mxfp8_linear_class()
-        converted = []
-        for fqn, module in list(model.named_modules()):
-            if not self.keeps(fqn, module):  # a plain nn.Linear from here on
-                continue
-            new = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
-                      dtype=module.weight.dtype, kernel_preference=self.kernel_preference)
-            new.weight = module.weight  # the same parameters: built on meta, or already initialised
-            new.bias = module.bias
-            _set_submodule(model, fqn, new)
-            converted.append(fqn)
-        if self.fqns and not converted and _TARGETS_REQUIRED[-1]:
-            raise ValueError(f"MXFP8LinearConverter.Config.fqns: {self.config.fqns} name no linear of the model.")
-        return converted
+    def _converted(self, module: nn.Linear) -> nn.Module:
+        return _mxfp8_linear_class()(module.in_features, module.out_features, bias=module.bias is not None,
+                                     device="meta", dtype=module.weight.dtype,
+                                     kernel_preference=self.kernel_preference)
 
 
 def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) -> int:
@@ -1242,9 +1270,7 @@ class _EmulatedNVFP4Matmul(torch.autograd.Function):
         linear's input."""
         from spmd_types import rules
 
-        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
-        if x is None:
-            raise TypeError("NVFP4Linear under spmd_types type checking: a 2-D or 3-D input.")
+        x = _input_labels("NVFP4Linear", input_hp)
         return rules.einsum(f"{x},nk,{x[:-1]}z,yz->{x[:-1]}n", input_hp, weight_hp, amax_x, amax_w)
 
     @staticmethod
@@ -1281,9 +1307,7 @@ class _TorchaoNVFP4Matmul(torch.autograd.Function):
     def spmd_typecheck(*, input_hp: Any, weight_hp: Any) -> Any:
         from spmd_types import rules
 
-        x = "bsk"[-input_hp.ndim:] if input_hp.ndim <= 3 else None
-        if x is None:
-            raise TypeError("NVFP4Linear under spmd_types type checking: a 2-D or 3-D input.")
+        x = _input_labels("NVFP4Linear", input_hp)
         return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
 
     @staticmethod
@@ -1338,7 +1362,7 @@ def is_nvfp4_linear(module: nn.Module) -> bool:
     return isinstance(module, NVFP4Linear)
 
 
-class NVFP4LinearConverter(QuantizationConverter):
+class NVFP4LinearConverter(_NamedLinearsConverter):
     """Upstream's ``NVFP4LinearConverter`` (b5bcd76): the linears to :class:`NVFP4Linear`.
 
     Checks at construction, each a one-line error: torchao's NVFP4 training installed (the
@@ -1357,45 +1381,16 @@ class NVFP4LinearConverter(QuantizationConverter):
         _import_torchao_nvfp4("NVFP4LinearConverter (NVFP4 training)")
         _check_emulation("NVFP4LinearConverter", config, (10, 0), "NVFP4 matmuls")
         self.multiple = NVFP4_BLOCK if config.emulate else NVFP4_GPU_MULTIPLE
-        self.fqns = expand_upstream_names(list(config.fqns))
+        self.multiple_why = "NVFP4's blocks" if config.emulate else "torchao's NVFP4 kernels"
         if not config.emulate and not config.model_compile_enabled:
             logging.getLogger(__name__).warning("NVFP4LinearConverter: torchao's NVFP4 kernels are fastest compiled "
                                                 "(compile.enable with 'model' in compile.components).")
 
-    def keeps(self, fqn: str, module: nn.Module) -> bool:
-        """Whether the linear ``fqn`` is converted (raises ValueError for a named linear NVFP4 cannot take)."""
-        named = any(f in fqn for f in self.fqns)
-        if not isinstance(module, nn.Linear) or (self.fqns and not named):
-            return False
-        if type(module) is not nn.Linear:
-            if named:
-                raise ValueError(f"NVFP4LinearConverter.Config.fqns names {fqn!r}, already a "
-                                 f"{type(module).__name__} (one quantization converter per linear).")
-            return False
-        if module.in_features % self.multiple or module.out_features % self.multiple:
-            if named:
-                raise ValueError(f"NVFP4LinearConverter.Config.fqns names {fqn!r} ({module.in_features} -> "
-                                 f"{module.out_features}), whose dimensions are not multiples of {self.multiple} "
-                                 f"({'NVFP4 blocks' if self.config.emulate else 'torchao NVFP4 kernels'}): "
-                                 "leave it out of fqns.")
-            return False
-        return True
-
-    def convert(self, model: nn.Module) -> list[str]:
-        converted = []
-        for fqn, module in list(model.named_modules()):
-            if not self.keeps(fqn, module):  # a plain nn.Linear from here on
-                continue
-            new = NVFP4Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
-                              dtype=module.weight.dtype)
-            new.weight = module.weight  # the same parameters: built on meta, or already initialised
-            new.bias = module.bias
-            new.nvfp4_emulate = self.config.emulate
-            _set_submodule(model, fqn, new)
-            converted.append(fqn)
-        if self.fqns and not converted and _TARGETS_REQUIRED[-1]:
-            raise ValueError(f"NVFP4LinearConverter.Config.fqns: {self.config.fqns} name no linear of the model.")
-        return converted
+    def _converted(self, module: nn.Linear) -> nn.Module:
+        new = NVFP4Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
+                          dtype=module.weight.dtype)
+        new.nvfp4_emulate = self.config.emulate
+        return new
 
 
 def bind_nvfp4_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int,
