@@ -1112,3 +1112,48 @@ def test_nvfp4_matches_the_judges_single_process_model(cell: str) -> None:
     step 1 (measured 1.9e-7 at FSDP 2 x TP 2; each rank's own amaxes instead: 3.7e-2)."""
     backend, parallelism, rows = NV_CELLS[cell]
     check_float8_parity(cell, backend, (), parallelism, rows, recipe="nvfp4")
+
+
+def test_nvfp4_gpu_path_calls_torchaos_kernel_as_upstream_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``emulate=False`` (the SM100 path, which has not run here): the linear hands torchao's
+    ``nvfp4_mm_triton`` its forward's arguments as upstream's ``NVFP4Linear`` does (no bias inside,
+    a per-module int64 seed that stays, the fixed Hadamard signs), its backward a bfloat16 output
+    gradient, and returns the output and both gradients in the operands' dtypes; a forward whose
+    tokens are no multiple of 128 is one line. torchao's Triton kernel is replaced here by a
+    recording stand-in computing in bfloat16."""
+    import torchao.prototype.moe_training.nvfp4_training.nvfp4_linear as torchao_nvfp4
+
+    from torchtitan_spmd.techniques.quantization import NVFP4_RHT_SIGNS, NVFP4Linear
+
+    calls: list[tuple[str, Any]] = []
+
+    class StandIn:
+        @staticmethod
+        def forward(ctx: Any, input_hp: torch.Tensor, weight_hp: torch.Tensor, bias: Any, sr_seed: torch.Tensor,
+                    sign_vector: Any) -> torch.Tensor:
+            calls.append(("forward", (input_hp.dtype, bias, sr_seed, tuple(sign_vector))))
+            x, w = input_hp.to(torch.bfloat16), weight_hp.to(torch.bfloat16)
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            calls.append(("backward", grad.dtype))
+            x, w = ctx.saved_tensors
+            return grad @ w, (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])), None, None, None
+
+    monkeypatch.setattr(torchao_nvfp4, "nvfp4_mm_triton", StandIn)
+    linear = NVFP4Linear(128, 256, bias=True)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    for _ in range(2):
+        out = linear(x)
+        out.sum().backward()
+    assert out.dtype == x.grad.dtype == linear.weight.grad.dtype == torch.float32
+    (_, (dtype, bias, seed, signs)), (_, grad_dtype), (_, (_, _, seed2, _)), _ = calls
+    assert (dtype, bias, signs, grad_dtype) == (torch.float32, None, NVFP4_RHT_SIGNS, torch.bfloat16)
+    assert seed.dtype == torch.int64 and seed.shape == (1,) and seed2 is seed  # drawn once, kept
+    want = x.detach().to(torch.bfloat16) @ linear.weight.detach().to(torch.bfloat16).t()
+    assert torch.equal(out.detach(), want.float() + linear.bias.detach())
+    with pytest.raises(ValueError) as err:
+        linear(torch.randn(1, 64, 128))
+    assert "has 64 tokens, not a multiple of 128" in _one_line(err.value)
