@@ -665,9 +665,10 @@ def check_float8_parity(cell: str, backend: str, skip: tuple[str, ...], parallel
 
 
 def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, parallelism: dict[str, Any] | None = None,
-               **debug: Any) -> None:
+               quant: Any = None, **debug: Any) -> None:
     """LoRA (rank 4 on wq, wk, wv, wo; after float8 emulated with ``float8=True``, as upstream's
-    ``llama3_debugmodel_float8_emulate_lora``) at FSDP 2 x TP 2, 3 steps, then the Hugging Face
+    ``llama3_debugmodel_float8_emulate_lora``, or after the quantization converter ``quant``) at
+    FSDP 2 x TP 2, 3 steps, then the Hugging Face
     export: the frozen base is bit-identical to its initial weights, every adapter moved, only the
     adapters hold optimizer state, and transformers' logits of the merged export equal the LoRA
     model's (in high precision: the export holds the weights, not float8)."""
@@ -679,7 +680,9 @@ def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, parallelism
 
     if backend == "full_dtensor":
         skip_full_dtensor_on_old_torch(backend, "fsdp2_tp2")
-    converters = [Float8LinearConverterConfig(emulate=True), LORA] if float8 else [LORA]
+    if float8:
+        quant = Float8LinearConverterConfig(emulate=True)
+    converters = [LORA] if quant is None else [quant, LORA]
     cfg = float8_job(backend, converters, parallelism=parallelism, **debug)
     cfg.job.dump_folder = str(tmp_path)
     cfg.checkpoint.enable, cfg.checkpoint.interval = True, 1000
@@ -705,7 +708,7 @@ def check_lora(tmp_path: Any, backend: str, *, float8: bool = False, parallelism
             assert torch.equal(weights[name], value), f"the frozen {name} moved"
     for name in adapters:
         assert not torch.equal(weights[name], torch.zeros_like(weights[name])) and weights[name].abs().sum() > 0
-    if not float8:  # against peft's LoRA on transformers' model: the step-1 gradients and the trained adapters
+    if quant is None:  # against peft's LoRA on transformers' model: the step-1 gradients and the trained adapters
         pytest.importorskip("peft", reason="the LoRA parity judge is peft (dev extra)")
         peft_norms, peft_trained = peft_reference()
         for name, want in peft_norms:

@@ -159,3 +159,19 @@ def test_nvfp4_type_checked_matches_the_judges_single_process_model() -> None:
     reduction: :func:`test_type_checker_catches_a_dropped_amax_reduction`)."""
     check_float8_parity("spmd_types-fsdp2_tp2-nvfp4-typechecked", "spmd_types", (), recipe="nvfp4",
                         spmd_typechecking=True)
+
+
+def test_nvfp4_pp_type_checked_matches_the_judges_single_process_model() -> None:
+    """NVFP4 (emulated) at PP 2 x FSDP 2, type-checked: each stage's NVFP4 linears on typed local
+    tensors, one row of 32 tokens a microbatch (its own per-tensor scales), no tp: nothing reduced."""
+    check_float8_parity("spmd_types-pp2_fsdp2-nvfp4-typechecked", "spmd_types", (),
+                        {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 1, recipe="nvfp4",
+                        spmd_typechecking=True)
+
+
+def test_nvfp4_lora_type_checked_trains_only_the_adapters_and_exports_merged(tmp_path: Any) -> None:
+    """LoRA over NVFP4 (emulated) at FSDP 2 x TP 2, type-checked: the base frozen bit for bit, every
+    adapter moved, only the adapters with optimizer state, the merged export's logits the model's."""
+    from torchtitan_spmd.config.converters import NVFP4LinearConverterConfig
+
+    check_lora(tmp_path, "spmd_types", quant=NVFP4LinearConverterConfig(emulate=True), spmd_typechecking=True)
