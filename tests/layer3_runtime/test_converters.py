@@ -62,6 +62,23 @@ def test_upstream_import_paths_fields_and_defaults() -> None:
     assert [c.__name__ for c in (Float8Linear, MXFP8Linear, NVFP4Linear)] == ["Float8Linear", "MXFP8Linear",
                                                                              "NVFP4Linear"]
     assert issubclass(NVFP4Linear, nn.Linear) and Float8Linear.__mro__[1].__module__.startswith("torchao.")
+    # and its submodules, whose names upstream's recipes import
+    from torchtitan_spmd.components.quantization.float8 import Float8GroupedExpertsConverter as F8E
+    from torchtitan_spmd.components.quantization.float8 import Float8Linear as F8L
+    from torchtitan_spmd.components.quantization.mx import MXFP8Linear as MXL
+    from torchtitan_spmd.components.quantization.mx import MXFP8LinearConverter as MXC
+    from torchtitan_spmd.components.quantization.nvfp4 import NVFP4Linear as NVL
+    from torchtitan_spmd.components.quantization.nvfp4 import NVFP4LinearConverter as NVC
+    from torchtitan_spmd.components.quantization.nvfp4 import nvfp4_bf16_tail_fqns
+
+    assert (F8E, F8L, MXL, MXC, NVL, NVC) == (Float8GroupedExpertsConverter, Float8Linear, MXFP8Linear,
+                                              MXFP8LinearConverter, NVFP4Linear, NVFP4LinearConverter)
+    assert nvfp4_bf16_tail_fqns(6, 0.15) == [f"layers.{i}." for i in range(5)]
+    assert nvfp4_bf16_tail_fqns(28, 0.15) == [f"layers.{i}." for i in range(23)]  # ceil(4.2) = 5 kept
+    assert nvfp4_bf16_tail_fqns(4, 0.0) == [f"layers.{i}." for i in range(4)]
+    for args, words in (((4, 1.0), "nothing to convert"), ((0, 0.15), "num_layers"), ((4, 1.5), "a number in")):
+        with pytest.raises(ValueError, match=words):
+            nvfp4_bf16_tail_fqns(*args)
 
 
 # recipe -> (module, flavour, converter class names), as upstream's recipes list them
@@ -88,6 +105,12 @@ def test_upstream_converter_recipes(recipe: str) -> None:
     assert (job.model.name, job.model.flavor) == (module, flavor)
     assert [c.converter for c in job.model.converters] == names
     lora = job.model.converters[-1]
+    if "first_85_pct_layers" in recipe:  # upstream's mix: the last ceil(15 %) blocks and the output stay
+        from torchtitan_spmd.models import get_model_spec
+
+        n_layers = get_model_spec(module).model_config(flavor).n_layers
+        keep = n_layers - -(-n_layers * 15 // 100)
+        assert job.model.converters[0].fqns == [f"layers.{i}." for i in range(keep)], (n_layers, keep)
     if recipe == "llama3_debugmodel_float8_emulate_lora":
         assert (job.model.converters[0].emulate, lora.rank, lora.alpha, lora.target_modules) == (
             True, 8, 16.0, ["wq", "wkv", "wo"])

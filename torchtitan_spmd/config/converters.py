@@ -32,6 +32,7 @@ __all__ = [
     "CONVERTER_NAMES",
     "check_converters",
     "converter_to_dict",
+    "nvfp4_bf16_tail_fqns",
 ]
 
 
@@ -171,6 +172,27 @@ class NVFP4LinearConverterConfig(QuantizationConverterConfig):
 
     def check(self, where: str) -> None:
         _check_str_list(f"{where}.fqns", self.fqns)
+
+
+def nvfp4_bf16_tail_fqns(num_layers: int, bf16_tail_fraction: float) -> list[str]:
+    """Upstream b5bcd76's helper (``torchtitan.components.quantization.nvfp4``): the
+    ``NVFP4LinearConverter.Config.fqns`` naming the leading blocks, ``layers.0.`` to ``layers.{k-1}.``
+    (the trailing dot keeps ``layers.1.`` from naming ``layers.10``), where the last
+    ``ceil(num_layers * bf16_tail_fraction)`` blocks stay in high precision. ValueError in one
+    line where that leaves no block to convert (an empty ``fqns`` would convert every linear)."""
+    import math
+
+    if not _is_positive_int(num_layers):
+        raise ValueError(f"nvfp4_bf16_tail_fqns: num_layers must be a positive int, got {num_layers!r}.")
+    if isinstance(bf16_tail_fraction, bool) or not isinstance(bf16_tail_fraction, (int, float)) or not (
+            0 <= bf16_tail_fraction <= 1):
+        raise ValueError(f"nvfp4_bf16_tail_fqns: bf16_tail_fraction must be a number in [0, 1], "
+                         f"got {bf16_tail_fraction!r}.")
+    convert = num_layers - math.ceil(num_layers * bf16_tail_fraction)
+    if convert <= 0:
+        raise ValueError(f"nvfp4_bf16_tail_fqns: bf16_tail_fraction={bf16_tail_fraction} keeps all {num_layers} "
+                         "layers in high precision; nothing to convert to NVFP4.")
+    return [f"layers.{i}." for i in range(convert)]
 
 
 @dataclass(kw_only=True)

@@ -33,11 +33,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``Float8Linear`` and ``MXFP8Linear``, built from torchao's classes on first access."""
-    from torchtitan_spmd.techniques import quantization
-
+    """``Float8Linear`` and ``MXFP8Linear``, built from torchao's classes on first access (as in
+    upstream's submodules ``float8`` and ``mx``, which are these modules here)."""
     if name == "Float8Linear":
-        return quantization._float8_linear_class()
+        from .float8 import Float8Linear
+
+        return Float8Linear
     if name == "MXFP8Linear":
-        return quantization._mxfp8_linear_class()
+        from .mx import MXFP8Linear
+
+        return MXFP8Linear
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ from torchtitan_spmd.config.converters import (
     LoRAConverterConfig,
     MXFP8LinearConverterConfig,
     NVFP4LinearConverterConfig,
+    nvfp4_bf16_tail_fqns,
 )
 from torchtitan_spmd.models import cpu_job_config, upstream_recipe
 
@@ -56,10 +57,14 @@ def llama3_debugmodel_float8_emulate_lora() -> JobConfig:
     return job
 
 
-def _first_85_pct_layers(n_layers: int) -> list[str]:
-    """Upstream's NVFP4 mix: the leading 85 % of the blocks converted, the last 15 % and the output not."""
-    keep = n_layers - max(1, round(n_layers * 0.15))
-    return [f"layers.{i}." for i in range(keep)]
+#: Upstream's NVFP4 mix: the last 15 % of the blocks (and the output) stay in high precision.
+_NVFP4_BF16_TAIL_FRACTION = 0.15
+
+
+def _nvfp4_leading_blocks(flavor: str) -> list[str]:
+    """The NVFP4 converter's ``fqns`` for ``flavor``: its blocks but the high-precision tail."""
+    n_layers = model_registry(flavor).model_config(flavor).n_layers
+    return nvfp4_bf16_tail_fqns(n_layers, _NVFP4_BF16_TAIL_FRACTION)
 
 
 def llama3_debugmodel_nvfp4() -> JobConfig:
@@ -77,7 +82,7 @@ def llama3_debugmodel_first_85_pct_layers_nvfp4() -> JobConfig:
     job = llama3_debugmodel()
     job.parallelism.spmd_backend = "spmd_types"
     job.model_spec = model_registry("debugmodel", converters=[
-        NVFP4LinearConverterConfig(fqns=_first_85_pct_layers(6), model_compile_enabled=_compile_enabled(job))])
+        NVFP4LinearConverterConfig(fqns=_nvfp4_leading_blocks("debugmodel"), model_compile_enabled=_compile_enabled(job))])
     return job
 
 
@@ -134,5 +139,5 @@ def llama3_8b_first_85_pct_layers_nvfp4() -> JobConfig:
     job.parallelism.spmd_backend = "spmd_types"
     job.compile.enable, job.compile.components = True, ["model"]
     job.model_spec = model_registry("8B", converters=[
-        NVFP4LinearConverterConfig(fqns=_first_85_pct_layers(32), model_compile_enabled=True)])
+        NVFP4LinearConverterConfig(fqns=_nvfp4_leading_blocks("8B"), model_compile_enabled=True)])
     return job

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchtitan_spmd.config import JobConfig
-from torchtitan_spmd.config.converters import NVFP4LinearConverterConfig
+from torchtitan_spmd.config.converters import NVFP4LinearConverterConfig, nvfp4_bf16_tail_fqns
 from torchtitan_spmd.models import cpu_job_config, upstream_recipe
 
 from . import model_registry
@@ -91,7 +91,6 @@ def qwen3_debugmodel_first_85_pct_layers_nvfp4() -> JobConfig:
     job = qwen3_debugmodel()
     job.parallelism.spmd_backend = "spmd_types"
     n_layers = model_registry("debugmodel").model_config("debugmodel").n_layers
-    keep = n_layers - max(1, round(n_layers * 0.15))
     job.model_spec = model_registry("debugmodel", converters=[
-        NVFP4LinearConverterConfig(fqns=[f"layers.{i}." for i in range(keep)])])
+        NVFP4LinearConverterConfig(fqns=nvfp4_bf16_tail_fqns(n_layers, 0.15))])  # upstream's 15 % tail
     return job
