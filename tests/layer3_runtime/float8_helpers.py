@@ -150,17 +150,12 @@ def torchao_mxfp8(model: torch.nn.Module, skip: tuple[str, ...]) -> int:
 _JUDGE_PRODUCT_DTYPE = [torch.bfloat16]
 
 
-@contextlib.contextmanager
-def nvfp4_round_to_nearest() -> Iterator[None]:
+def nvfp4_round_to_nearest() -> contextlib.AbstractContextManager[None]:
     """Within it, the library's emulated NVFP4 rounds its gradients' casts to nearest, as the judge
     does (stochastic rounding draws each rank's noise for its own shard: no judge could match it)."""
     from torchtitan_spmd.techniques import quantization
 
-    quantization._STOCHASTIC_ROUNDING.append(False)
-    try:
-        yield
-    finally:
-        quantization._STOCHASTIC_ROUNDING.pop()
+    return quantization.pushed(quantization._STOCHASTIC_ROUNDING, False)
 
 
 @contextlib.contextmanager
@@ -172,13 +167,9 @@ def nvfp4_float32_products() -> Iterator[None]:
     bfloat16 products, 5.2e-7 with float32 ones)."""
     from torchtitan_spmd.techniques import quantization
 
-    quantization._PRODUCT_DTYPE.append(torch.float32)
-    _JUDGE_PRODUCT_DTYPE.append(torch.float32)
-    try:
+    with (quantization.pushed(quantization._PRODUCT_DTYPE, torch.float32),
+          quantization.pushed(_JUDGE_PRODUCT_DTYPE, torch.float32)):
         yield
-    finally:
-        quantization._PRODUCT_DTYPE.pop()
-        _JUDGE_PRODUCT_DTYPE.pop()
 
 
 def _sylvester_rht(signs: tuple[int, ...]) -> torch.Tensor:

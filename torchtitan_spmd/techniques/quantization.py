@@ -81,7 +81,9 @@ __all__ = [
     "nvfp4_fake_quantize",
     "has_cuda_capability",
     "import_torchao_float8",
+    "pushed",
     "targets_optional",
+    "torchao_linears_getattr",
 ]
 
 #: The extra that installs torchao (the one spelling every setup error names).
@@ -140,13 +142,19 @@ _HARDWARE_CHECKS = [True]
 
 
 @contextlib.contextmanager
-def hardware_checks_off() -> Iterator[None]:
-    """Within it, converters skip their GPU-capability checks (the dry run)."""
-    _HARDWARE_CHECKS.append(False)
+def pushed(stack: list[Any], value: Any) -> Iterator[None]:
+    """Within it, ``stack[-1]`` is ``value``: the switches of this module (a list each, read at
+    ``[-1]``, so that they nest) set for a block."""
+    stack.append(value)
     try:
         yield
     finally:
-        _HARDWARE_CHECKS.pop()
+        stack.pop()
+
+
+def hardware_checks_off() -> contextlib.AbstractContextManager[None]:
+    """Within it, converters skip their GPU-capability checks (the dry run)."""
+    return pushed(_HARDWARE_CHECKS, False)
 
 
 #: Off while the dry run converts its one- and two-block models (:func:`targets_optional`): a
@@ -154,15 +162,10 @@ def hardware_checks_off() -> Iterator[None]:
 _TARGETS_REQUIRED = [True]
 
 
-@contextlib.contextmanager
-def targets_optional() -> Iterator[None]:
+def targets_optional() -> contextlib.AbstractContextManager[None]:
     """Within it, a converter that finds nothing to convert (no experts, no linear its ``fqns``
     names) converts nothing instead of raising: for models cut down from the job's (the dry run)."""
-    _TARGETS_REQUIRED.append(False)
-    try:
-        yield
-    finally:
-        _TARGETS_REQUIRED.pop()
+    return pushed(_TARGETS_REQUIRED, False)
 
 
 def _name_list(names: list[str], limit: int = 8) -> str:
@@ -309,6 +312,18 @@ def _dtensor_forward(module: Any, input: Any,
     return out
 
 
+def _max_over_tp(t: torch.Tensor, local: Callable[[], torch.Tensor], dim: int | None,
+                 reduce: Callable[..., torch.Tensor] | None, typed: Callable[..., torch.Tensor] | None,
+                 what: str) -> torch.Tensor:
+    """The max over tp (``reduce``, along ``dim`` of the amax's kept dims) of this rank's amax of
+    ``t``, ``local()``, typed as ``t`` by ``typed`` (the representation's ``local_amax``: spmd_types
+    types a shard's amax as the shard) where given. RuntimeError where no reduction is bound."""
+    if reduce is None:
+        raise RuntimeError(f"{what}: a scale spans a dim sharded over tp, and no amax reduction is bound "
+                           "(the converters' bind_converted was not called).")
+    return reduce(typed(t, local) if typed is not None else local(), dim)
+
+
 def _scale(t: torch.Tensor, cast_config: Any, axis: int, sharded_dim: int | None,
            reduce: Callable[..., torch.Tensor] | None, round_pow2: bool) -> torch.Tensor | None:
     """torchao's dynamic scale of ``t`` (``tensor_to_scale``) for ``cast_config`` along ``axis``, its
@@ -330,14 +345,9 @@ def _scale(t: torch.Tensor, cast_config: Any, axis: int, sharded_dim: int | None
                                                    or axiswise_dim % t.dim() == sharded_dim)
         if not spans_shard:
             amax = local_amax()
-        else:
-            if reduce is None:
-                raise RuntimeError("Float8Linear: a scale spans a dim sharded over tp, and no amax reduction "
-                                   "is bound (bind_float8_shards was not called).")
-            # the local part of the amax: a representation that types it says how (spmd_types: V@tp)
-            typed = getattr(reduce, "local_amax", None)
-            amax = typed(t, local_amax) if typed is not None else local_amax()
-            amax = reduce(amax, axiswise_dim % t.dim() if axiswise_dim is not None else None)
+        else:  # the local part typed as a representation that types it says (spmd_types: V@tp)
+            amax = _max_over_tp(t, local_amax, axiswise_dim % t.dim() if axiswise_dim is not None else None, reduce,
+                                getattr(reduce, "local_amax", None), "Float8Linear")
         return amax_to_scale(amax, cast_config.target_dtype, round_scales_to_power_of_2=round_pow2)
 
 
@@ -382,6 +392,15 @@ def _input_labels(what: str, input_hp: Any) -> str:
     if input_hp.ndim not in (2, 3):
         raise TypeError(f"{what} under spmd_types type checking: a 2-D or 3-D input.")
     return "bsk"[-input_hp.ndim:]
+
+
+def _linear_type(what: str, input_hp: Any, weight_hp: Any) -> Any:
+    """The types of ``input_hp @ weight_hp.t()``: a linear, multilinear in the input and the weight
+    (a quantized matmul whose scales are each a block's own, on the rank that holds it)."""
+    from spmd_types import rules
+
+    x = _input_labels(what, input_hp)
+    return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
 
 
 class _ShardedFloat8Matmul(torch.autograd.Function):
@@ -495,6 +514,16 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
+def _split(fqn: str, size: int, tp: int, multiple: int, dim_name: str = "") -> list[str]:
+    """``[fqn (size / tp = shard)]`` where tp splits ``size`` (``dim_name``: what it is) into shards that
+    are no multiple of ``multiple``; else ``[]``: an entry of a shard-size error."""
+    from torchtitan_spmd.distributed.apply_plan import plain_fqn
+
+    if size % (tp * multiple) == 0:
+        return []
+    return [f"{plain_fqn(fqn)} ({dim_name + ' ' if dim_name else ''}{size} / tp {tp} = {size / tp:g})"]
+
+
 def _tp_shard_dim(state_layouts: dict[str, Any], fqn: str, param: str) -> int | None:
     """The dim of module ``fqn``'s parameter ``param`` that the plan shards over ``tp`` (from
     ``state_layouts``, the plan's layouts by name), or None."""
@@ -564,12 +593,8 @@ class _LocalMXFP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def spmd_typecheck(*, input_hp: Any, weight_hp: Any) -> Any:
-        """A linear's types: multilinear in the input and the weight (each block's scale is the
-        block's own, on the rank that holds it)."""
-        from spmd_types import rules
-
-        x = _input_labels("MXFP8Linear", input_hp)
-        return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
+        """A linear's types (each block's scale is the block's own, on the rank that holds it)."""
+        return _linear_type("MXFP8Linear", input_hp, weight_hp)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -699,22 +724,19 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
     without tensor parallelism), after checking that no shard, of a linear or of MXFP8 experts'
     hidden dim, splits a block of 32 (ValueError, one line naming them all); the number of MXFP8
     linears whose weight is sharded over ``tp``."""
-    from torchtitan_spmd.distributed.apply_plan import plain_fqn
 
     bound, split = 0, []
     for fqn, module in model.named_modules():
         if is_mxfp8_experts(module):  # w1's hidden dim (w2's and w3's are sharded alike)
             hidden = module.quant_hidden_dim
-            if tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1 and hidden % (tp * MXFP8_BLOCK):
-                split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
+            if tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1:
+                split += _split(fqn, hidden, tp, MXFP8_BLOCK, "hidden dim")
             continue
         if MXFP8Linear is None or not isinstance(module, MXFP8Linear):
             continue
         dim = _tp_shard_dim(state_layouts, fqn, "weight") if tp > 1 else None
-        if dim is not None:
-            size = module.out_features if dim == 0 else module.in_features
-            if size % (tp * MXFP8_BLOCK):
-                split.append(f"{plain_fqn(fqn)} ({size} / tp {tp} = {size / tp:g})")
+        if dim is not None:  # the weight's sharded dim: its outputs (0) or its inputs (1)
+            split += _split(fqn, (module.out_features, module.in_features)[dim], tp, MXFP8_BLOCK)
         module.tp_weight_shard_dim = dim
         bound += dim is not None
     if split:
@@ -722,6 +744,20 @@ def bind_mxfp8_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int) 
                          f"{_name_list(split)}: leave them out of MXFP8LinearConverter.Config.fqns (experts: drop "
                          "MXFP8GroupedExpertsConverter) or lower parallelism.tensor_parallel_degree.")
     return bound
+
+
+def torchao_linears_getattr(module: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) for ``module`` that builds the linears ``names`` of
+    ``Float8Linear`` and ``MXFP8Linear`` on first access: they subclass torchao's classes, so
+    upstream's import paths export them without importing torchao at import time."""
+    builders = {"Float8Linear": _float8_linear_class, "MXFP8Linear": _mxfp8_linear_class}
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return builders[name]()
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 # ----------------------------------------------------------------------------- quantized grouped experts
@@ -1008,8 +1044,8 @@ def bind_float8_experts(model: nn.Module, state_layouts: dict[str, Any], tp: int
             continue
         sharded = tp > 1 and _tp_shard_dim(state_layouts, fqn, "w1") == 1
         hidden = module.quant_hidden_dim
-        if sharded and hidden % (tp * FLOAT8_GROUP_MULTIPLE):
-            split.append(f"{plain_fqn(fqn)} (hidden dim {hidden} / tp {tp} = {hidden / tp:g})")
+        if sharded:
+            split += _split(fqn, hidden, tp, FLOAT8_GROUP_MULTIPLE, "hidden dim")
         if sharded and not module.float8_emulate:
             gpu.append(plain_fqn(fqn))
         module.float8_tp_sharded = sharded
@@ -1221,13 +1257,9 @@ def _tensor_amax(t: torch.Tensor, sharded_dim: int | None, reduce: Callable[...,
         return (amax.to(torch.bfloat16) if as_bf16 else amax).float()
 
     with torch.no_grad():
-        amax = typed(t, local) if typed is not None else local()
         if sharded_dim is None:
-            return amax
-        if reduce is None:
-            raise RuntimeError(f"{what}: a per-tensor scale spans a dim sharded over tp, and no amax reduction "
-                               "is bound (bind_nvfp4_shards was not called).")
-        return reduce(amax, sharded_dim % t.dim())
+            return typed(t, local) if typed is not None else local()
+        return _max_over_tp(t, local, sharded_dim % t.dim(), reduce, typed, what)
 
 
 class _EmulatedNVFP4Matmul(torch.autograd.Function):
@@ -1305,10 +1337,8 @@ class _TorchaoNVFP4Matmul(torch.autograd.Function):
 
     @staticmethod
     def spmd_typecheck(*, input_hp: Any, weight_hp: Any) -> Any:
-        from spmd_types import rules
-
-        x = _input_labels("NVFP4Linear", input_hp)
-        return rules.einsum(f"{x},nk->{x[:-1]}n", input_hp, weight_hp)
+        """A linear's types (no operand sharded over tp: :func:`bind_nvfp4_shards`)."""
+        return _linear_type("NVFP4Linear", input_hp, weight_hp)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -1409,11 +1439,9 @@ def bind_nvfp4_shards(model: nn.Module, state_layouts: dict[str, Any], tp: int,
         if not is_nvfp4_linear(module):
             continue
         dim = _tp_shard_dim(state_layouts, fqn, "weight") if tp > 1 else None
-        if dim is not None:
-            size = module.out_features if dim == 0 else module.in_features
+        if dim is not None:  # the weight's sharded dim: its outputs (0) or its inputs (1)
             multiple = NVFP4_BLOCK if module.nvfp4_emulate else NVFP4_GPU_MULTIPLE
-            if size % (tp * multiple):
-                split.append(f"{plain_fqn(fqn)} ({size} / tp {tp} = {size / tp:g})")
+            split += _split(fqn, (module.out_features, module.in_features)[dim], tp, multiple)
             if not module.nvfp4_emulate:
                 gpu.append(plain_fqn(fqn))
         module.tp_weight_shard_dim = dim

@@ -7,8 +7,6 @@ and the rest, as upstream's recipes name them (:mod:`torchtitan_spmd.techniques.
 access (without torchao: one ImportError line naming the ``float8`` extra).
 """
 
-from typing import Any
-
 from torchtitan_spmd.techniques.quantization import (
     Float8GroupedExpertsConverter,
     Float8LinearConverter,
@@ -17,6 +15,7 @@ from torchtitan_spmd.techniques.quantization import (
     NVFP4Linear,
     NVFP4LinearConverter,
     QuantizationConverter,
+    torchao_linears_getattr,
 )
 
 __all__ = [
@@ -30,17 +29,4 @@ __all__ = [
     "NVFP4LinearConverter",
     "QuantizationConverter",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``Float8Linear`` and ``MXFP8Linear``, built from torchao's classes on first access (as in
-    upstream's submodules ``float8`` and ``mx``, which are these modules here)."""
-    if name == "Float8Linear":
-        from .float8 import Float8Linear
-
-        return Float8Linear
-    if name == "MXFP8Linear":
-        from .mx import MXFP8Linear
-
-        return MXFP8Linear
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = torchao_linears_getattr(__name__, ("Float8Linear", "MXFP8Linear"))

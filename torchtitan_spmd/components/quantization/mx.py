@@ -1,19 +1,11 @@
-"""Upstream's ``torchtitan.components.quantization.mx``: the MXFP8 converters and linear."""
-
-from typing import Any
+"""Upstream's ``torchtitan.components.quantization.mx``: the MXFP8 converters and linear
+(``MXFP8Linear`` subclasses torchao's class: built on first access)."""
 
 from torchtitan_spmd.techniques.quantization import (
     MXFP8GroupedExpertsConverter,
     MXFP8LinearConverter,
+    torchao_linears_getattr,
 )
 
 __all__ = ["MXFP8GroupedExpertsConverter", "MXFP8Linear", "MXFP8LinearConverter"]  # noqa: F822 (__getattr__)
-
-
-def __getattr__(name: str) -> Any:
-    """``MXFP8Linear``, built from torchao's class on first access."""
-    if name == "MXFP8Linear":
-        from torchtitan_spmd.techniques.quantization import _mxfp8_linear_class
-
-        return _mxfp8_linear_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = torchao_linears_getattr(__name__, ("MXFP8Linear",))
